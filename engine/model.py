@@ -1,0 +1,185 @@
+"""One compact Qwen2/Llama-family forward over a preallocated KV cache.
+
+The same module serves AR decoding (causal), block diffusion (block-causal, cached prefix)
+and training (an arbitrary boolean attention mask over [noisy || clean]).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .config import ModelConfig
+
+
+class KVCache:
+    """Preallocated K/V for every layer: [layers, batch, kv_heads, max_len, head_dim]."""
+
+    def __init__(self, cfg: ModelConfig, batch: int, max_len: int, device: torch.device, dtype: torch.dtype):
+        shape = (cfg.num_hidden_layers, batch, cfg.num_key_value_heads, max_len, cfg.head_dim)
+        self.k = torch.zeros(shape, device=device, dtype=dtype)
+        self.v = torch.zeros(shape, device=device, dtype=dtype)
+        self.max_len = max_len
+
+    def keep_rows(self, rows: Tensor) -> None:
+        """Drop finished rows so they cost nothing in later forwards."""
+        self.k = self.k.index_select(1, rows)
+        self.v = self.v.index_select(1, rows)
+
+    def write(self, layer: int, k: Tensor, v: Tensor, pos: Tensor, start: int | None) -> None:
+        if start is not None:  # every row writes the same contiguous window: a plain slice copy
+            self.k[layer, :, :, start:start + k.shape[2]] = k
+            self.v[layer, :, :, start:start + k.shape[2]] = v
+            return
+        rows = torch.arange(k.shape[0], device=k.device)[:, None].expand_as(pos)
+        self.k[layer].transpose(1, 2)[rows, pos] = k.transpose(1, 2)
+        self.v[layer].transpose(1, 2)[rows, pos] = v.transpose(1, 2)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rotate_half(x: Tensor) -> Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class Rope(nn.Module):
+    """Rotary tables grown on demand; indexed by absolute position so rows may sit anywhere."""
+
+    def __init__(self, head_dim: int, theta: float):
+        super().__init__()
+        inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+        self.register_buffer("inv_freq", inv, persistent=False)
+        self._cos: Tensor | None = None
+        self._sin: Tensor | None = None
+
+    def forward(self, pos: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        need = int(pos.max()) + 1
+        if self._cos is None or self._cos.shape[0] < need or self._cos.device != pos.device or self._cos.dtype != dtype:
+            n = max(need, 2 * (self._cos.shape[0] if self._cos is not None else 1024))
+            t = torch.arange(n, device=pos.device, dtype=torch.float32)
+            freqs = torch.outer(t, self.inv_freq.to(pos.device))
+            emb = torch.cat((freqs, freqs), dim=-1)
+            self._cos, self._sin = emb.cos().to(dtype), emb.sin().to(dtype)
+        return self._cos[pos].unsqueeze(1), self._sin[pos].unsqueeze(1)  # [B, 1, T, D]
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__()
+        self.layer = layer
+        self.h, self.hkv, self.d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.q_proj = nn.Linear(cfg.hidden_size, self.h * self.d, bias=cfg.attention_bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, self.hkv * self.d, bias=cfg.attention_bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, self.hkv * self.d, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(self.h * self.d, cfg.hidden_size, bias=False)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, pos: Tensor, cache: KVCache | None,
+                start: int | None, kv_len: int | None, mask: Tensor | None, causal: bool) -> Tensor:
+        b, t, _ = x.shape
+        q = self.q_proj(x).view(b, t, self.h, self.d).transpose(1, 2)
+        k = self.k_proj(x).view(b, t, self.hkv, self.d).transpose(1, 2)
+        v = self.v_proj(x).view(b, t, self.hkv, self.d).transpose(1, 2)
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        if cache is not None:
+            cache.write(self.layer, k, v, pos, start)
+            k = cache.k[self.layer, :, :, :kv_len]
+            v = cache.v[self.layer, :, :, :kv_len]
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal and mask is None,
+                                             enable_gqa=self.h != self.hkv)
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, self.h * self.d))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Layer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__()
+        self.self_attn = Attention(cfg, layer)
+        self.mlp = MLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x: Tensor, *args) -> Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), *args)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Backbone(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(Layer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class CausalLM(nn.Module):
+    """Parameter names follow transformers (model.layers.N..., lm_head) so checkpoints load as-is."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.model = Backbone(cfg)
+        self.rope = Rope(cfg.head_dim, cfg.rope_theta)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, ids: Tensor, pos: Tensor, cache: KVCache | None = None, *, start: int | None = None,
+                kv_len: int | None = None, mask: Tensor | None = None, causal: bool = False,
+                logits_idx: Tensor | None = None) -> Tensor:
+        """Run ids [B, T] at absolute positions pos [B, T].
+
+        With a cache, K/V are written at pos (a slice at `start` when all rows share it) and attention
+        reads cache[:kv_len]. `mask` is boolean (True = may attend), broadcastable to [B, 1, T, keys];
+        None with causal=False means every key is visible (a decode step on the block grid).
+        `logits_idx` [B, n] picks the window positions whose logits are needed (LM head only there).
+        """
+        x = self.model.embed_tokens(ids)
+        cos, sin = self.rope(pos, x.dtype)
+        if cache is not None and kv_len is None:
+            kv_len = int(pos.max()) + 1
+        for layer in self.model.layers:
+            x = layer(x, cos, sin, pos, cache, start, kv_len, mask, causal)
+        if logits_idx is not None:
+            x = x.gather(1, logits_idx[..., None].expand(-1, -1, x.shape[-1]))
+        return self.lm_head(self.model.norm(x))
+
+
+def block_causal_mask(q_pos: Tensor, k_len: int, block_size: int, valid_len: Tensor | None = None) -> Tensor:
+    """Block-causal visibility [B, 1, T, k_len]: a key is visible when its block <= the query's block."""
+    k = torch.arange(k_len, device=q_pos.device)
+    allowed = (k[None, None, :] // block_size) <= (q_pos[:, :, None] // block_size)
+    if valid_len is not None:
+        allowed = allowed & (k[None, None, :] < valid_len[:, None, None])
+    return allowed[:, None]
+
+
+def causal_mask(q_pos: Tensor, k_len: int, valid_len: Tensor | None = None) -> Tensor:
+    """Causal visibility [B, 1, T, k_len] for rows at different absolute positions."""
+    k = torch.arange(k_len, device=q_pos.device)
+    allowed = k[None, None, :] <= q_pos[:, :, None]
+    if valid_len is not None:
+        allowed = allowed & (k[None, None, :] < valid_len[:, None, None])
+    return allowed[:, None]
