@@ -80,13 +80,22 @@ def resolve_source(model: str | None = None) -> ModelSource:
     env = os.environ.get("FASTDLLM_MODEL", "").strip()
     if env:
         return _resolve_spec(env, "env FASTDLLM_MODEL")
-    adapter = BUNDLED_ADAPTER if BUNDLED_ADAPTER.exists() else None
-    return ModelSource("bundled", bundled_base_dir(), "bundled (offline default)", "bundled", adapter)
+    return ModelSource("bundled", bundled_base_dir(), "bundled (offline default)", "bundled", bundled_adapter())
+
+
+def bundled_adapter() -> Path | None:
+    """The adapter that turns the bundled base into the dLLM: FASTDLLM_ADAPTER, else assets/."""
+    env = os.environ.get("FASTDLLM_ADAPTER", "").strip()
+    if env:
+        if not Path(env).is_file():
+            raise ModelSourceError(f"FASTDLLM_ADAPTER: no adapter file at {env}")
+        return Path(env)
+    return BUNDLED_ADAPTER if BUNDLED_ADAPTER.exists() else None
 
 
 def _resolve_spec(spec: str, reason: str) -> ModelSource:
     if spec == "bundled":
-        adapter = BUNDLED_ADAPTER if BUNDLED_ADAPTER.exists() else None
+        adapter = bundled_adapter()
         return ModelSource("bundled", bundled_base_dir(), reason, "bundled", adapter)
     if spec == "bundled-base":
         return ModelSource(spec, bundled_base_dir(), reason, "bundled", None)
