@@ -1,0 +1,48 @@
+"""Fast-dLLM v2 studio: `python app.py [--model M] [--host H] [--port P]` (also the Hugging Face Spaces entry point).
+
+Model: --model, else FASTDLLM_MODEL, else on Hugging Face Spaces (SPACE_ID set) the real Fast-dLLM v2 1.5B
+checkpoint, else the bundled SmolLM2-135M + Fast-dLLM v2 adapter that runs offline on a CPU.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+
+try:  # Hugging Face ZeroGPU: `spaces` must be imported before torch touches CUDA
+    import spaces  # type: ignore[import-not-found]  # noqa: F401
+except ImportError:
+    pass
+
+SPACES_MODEL = "Efficient-Large-Model/Fast_dLLM_v2_1.5B"
+
+
+def default_model() -> str | None:
+    """On Spaces the 1.5B checkpoint (unless FASTDLLM_MODEL says otherwise); elsewhere the engine's default."""
+    if os.environ.get("SPACE_ID") and not os.environ.get("FASTDLLM_MODEL"):
+        return SPACES_MODEL
+    return None
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description="Fast-dLLM v2 studio: chat, live denoising view, replay, race, sweep.")
+    p.add_argument("--model", default=None, help="hub id or local directory (default: bundled SmolLM2-135M + adapter; "
+                                                  f"{SPACES_MODEL} on Hugging Face Spaces)")
+    p.add_argument("--host", default=os.environ.get("GRADIO_SERVER_NAME", "127.0.0.1"),
+                   help="interface to listen on (default 127.0.0.1; 0.0.0.0 to share on a network)")
+    p.add_argument("--port", type=int, default=int(os.environ.get("GRADIO_SERVER_PORT", "7860")), help="port (7860)")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    from app.studio import Studio
+    from app.ui import build, launch_kwargs
+    from engine import Engine
+
+    engine = Engine.load(args.model or default_model())
+    print(f"model: {engine.lm.banner()}", flush=True)
+    build(Studio(engine)).queue().launch(server_name=args.host, server_port=args.port, **launch_kwargs())
+
+
+if __name__ == "__main__":
+    main()

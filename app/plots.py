@@ -1,0 +1,121 @@
+"""Plotly figures: the confidence heatmap of one trace and the threshold sweep."""
+from __future__ import annotations
+
+import colorsys
+import html
+from typing import Any
+
+import plotly.graph_objects as go
+from plotly.subplots import make_subplots
+
+from engine import Trace
+
+MAX_HEATMAP_POSITIONS = 1024
+MAX_HEATMAP_STEPS = 2000
+_FONT = dict(family="ui-sans-serif, system-ui, sans-serif", size=12, color="#8a8f98")
+_GRID = "rgba(128,128,128,0.18)"
+
+
+def conf_colour(c: float) -> str:
+    """Low confidence red, high green; the same scale as the cells of static/studio.js."""
+    h = (8 + 127 * max(0.0, min(1.0, c))) / 360
+    r, g, b = colorsys.hls_to_rgb(h, 0.47, 0.68)
+    return f"#{int(r * 255):02x}{int(g * 255):02x}{int(b * 255):02x}"
+
+
+COLOURSCALE = [[i / 10, conf_colour(i / 10)] for i in range(11)]
+
+
+def visible_piece(text: str) -> str:
+    """A token piece with its whitespace made visible and HTML escaped (plotly hover text is HTML-ish)."""
+    shown = text.replace(" ", "␣").replace("\n", "↵").replace("\t", "⇥")
+    return html.escape(shown or "∅", quote=True)
+
+
+def _layout(fig: go.Figure, title: str, height: int) -> go.Figure:
+    fig.update_layout(title=dict(text=html.escape(title), x=0.01, font=dict(size=14)), height=height,
+                      margin=dict(l=56, r=16, t=44, b=44), font=_FONT, paper_bgcolor="rgba(0,0,0,0)",
+                      plot_bgcolor="rgba(0,0,0,0)", hoverlabel=dict(font_family="ui-monospace, monospace"))
+    fig.update_xaxes(gridcolor=_GRID, zeroline=False)
+    fig.update_yaxes(gridcolor=_GRID, zeroline=False)
+    return fig
+
+
+def empty_figure(message: str) -> go.Figure:
+    fig = go.Figure()
+    fig.add_annotation(text=html.escape(message), showarrow=False, x=0.5, y=0.5, xref="paper", yref="paper")
+    fig.update_xaxes(visible=False)
+    fig.update_yaxes(visible=False)
+    return _layout(fig, "", 260)
+
+
+def heatmap_figure(trace: Trace | None) -> go.Figure:
+    """Answer position × decoding step: the best candidate's confidence while masked; commits marked."""
+    if trace is None or not trace.events:
+        return empty_figure("Send a message (or upload a trace) to see its confidence heatmap.")
+    steps = sorted({e.nfe for e in trace.events if e.kind != "done"})[:MAX_HEATMAP_STEPS]
+    row = {s: i for i, s in enumerate(steps)}
+    width = 0
+    for e in trace.events:
+        for t in (*e.committed, *e.masked):
+            width = max(width, t.pos + 1)
+    width = min(width, MAX_HEATMAP_POSITIONS)
+    if not width:
+        return empty_figure("This trace has no answer tokens.")
+    z: list[list[float | None]] = [[None] * width for _ in steps]
+    text: list[list[str]] = [[""] * width for _ in steps]
+    cx: list[int] = []
+    cy: list[int] = []
+    ctext: list[str] = []
+    for e in trace.events:
+        i = row.get(e.nfe)
+        if i is None:
+            continue
+        for t in e.masked:
+            if t.pos < width:
+                z[i][t.pos], text[i][t.pos] = t.conf, f"masked · best guess {visible_piece(t.text)}"
+        for t in e.committed:
+            if t.pos < width:
+                z[i][t.pos], text[i][t.pos] = t.conf, f"committed {visible_piece(t.text)}"
+                cx.append(t.pos)
+                cy.append(e.nfe)
+                ctext.append(f"{visible_piece(t.text)} · {t.conf:.3f}")
+    fig = go.Figure()
+    fig.add_trace(go.Heatmap(
+        z=z, x=list(range(width)), y=steps, customdata=text, zmin=0, zmax=1, colorscale=COLOURSCALE,
+        hovertemplate="pos %{x} · step %{y}<br>%{customdata}<br>confidence %{z:.3f}<extra></extra>",
+        colorbar=dict(title=dict(text="confidence"), thickness=12), xgap=1, ygap=1, hoverongaps=False))
+    fig.add_trace(go.Scatter(x=cx, y=cy, mode="markers", name="commit", customdata=ctext,
+                             marker=dict(symbol="square-open", size=9, color="#222", line=dict(width=1.5)),
+                             hovertemplate="commit at step %{y}: pos %{x}<br>%{customdata}<extra></extra>"))
+    cfg = trace.header.get("config", {})
+    title = (f"confidence while masked · {cfg.get('mode', '?')} · block {cfg.get('block_size')} / "
+             f"sub-block {cfg.get('sub_block_size')} · threshold {cfg.get('threshold')}")
+    fig = _layout(fig, title, 420)
+    fig.update_xaxes(title="answer position", tickformat="d", dtick=max(1, round(width / 16)))
+    fig.update_yaxes(title="decoding step (NFE)", autorange="reversed", tickformat="d",
+                     dtick=max(1, round(len(steps) / 12)))
+    fig.update_layout(showlegend=False)
+    return fig
+
+
+def sweep_figure(rows: list[dict[str, Any]]) -> go.Figure:
+    """tokens/s and tokens/forward against threshold, one line per block size."""
+    if not rows:
+        return empty_figure("Run a sweep to plot tokens/s and tokens/forward against threshold.")
+    fig = make_subplots(rows=1, cols=2, subplot_titles=("tokens/s (engine time)", "tokens per forward"),
+                        horizontal_spacing=0.1)
+    palette = ["#4c8bf5", "#e8833a", "#3aa676", "#b35cd6", "#d64545"]
+    for k, bs in enumerate(sorted({r["block_size"] for r in rows})):
+        pts = sorted((r for r in rows if r["block_size"] == bs), key=lambda r: r["threshold"])
+        colour = palette[k % len(palette)]
+        for col, key in ((1, "tokens_per_second"), (2, "tokens_per_forward")):
+            fig.add_trace(go.Scatter(
+                x=[p["threshold"] for p in pts], y=[p[key] for p in pts], mode="lines+markers",
+                name=f"block {bs}", legendgroup=str(bs), showlegend=col == 1, line=dict(color=colour),
+                customdata=[[p["nfe"], p["answer_tokens"]] for p in pts],
+                hovertemplate=("threshold %{x}<br>%{y:.2f}<br>NFE %{customdata[0]} · "
+                               "%{customdata[1]} tokens<extra>block " + str(bs) + "</extra>")), row=1, col=col)
+    fig = _layout(fig, "", 380)
+    fig.update_xaxes(title="threshold")
+    return fig

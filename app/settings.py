@@ -1,0 +1,93 @@
+"""Studio settings: the controls' choices and one-line explanations, and their mapping to DecodeConfig."""
+from __future__ import annotations
+
+from dataclasses import fields
+from typing import Any
+
+from engine import ConfigError, DecodeConfig
+
+BLOCK_SIZES = (8, 16, 32, 64)
+DEFAULT_SYSTEM = "You are a helpful assistant."
+SWEEP_THRESHOLDS = (0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0)
+
+# One place for every control's explanation: the UI's info= lines and the /info API endpoint.
+INFO = {
+    "mode": "diffusion = Fast-dLLM v2 block diffusion (base + adapter); "
+            "ar = the same base weights, one token per forward.",
+    "block_size": "Tokens per block. Attention is causal across blocks and bidirectional inside one; "
+                  "the model was trained with 32.",
+    "sub_block_size": "Tokens decoded in parallel inside a block, left to right; "
+                      "only divisors of the block size are offered.",
+    "threshold": "Commit every masked token whose confidence exceeds this (always at least the best one). "
+                 "1.0 = one token per forward.",
+    "strategy": "threshold: fixed confidence cut-off; factor: commit the largest n with (n+1)(1-c_n) < factor.",
+    "factor": "Factor strategy only: larger commits more tokens per forward (faster, riskier).",
+    "cache": "none: recompute the prefix every step; block: cache finished blocks; "
+             "dual: also reuse the active block's K/V.",
+    "max_new_tokens": "Upper bound on answer tokens (the stop token usually ends the answer earlier).",
+    "temperature": "0 = greedy (deterministic). Higher values sample more freely.",
+    "top_p": "Nucleus sampling: keep the smallest set of tokens whose probability sums to top-p "
+             "(used when temperature > 0).",
+    "seed": "-1 = a fresh random seed each run; a number ≥ 0 makes sampling reproducible.",
+    "system_prompt": "Sent as the system message before the conversation (leave empty for none).",
+}
+
+CONFIG_KEYS = ("mode", "block_size", "sub_block_size", "threshold", "strategy", "factor", "cache",
+               "max_new_tokens", "temperature", "top_p", "seed")
+SETTING_KEYS = CONFIG_KEYS + ("system_prompt",)
+
+
+def divisors(n: int) -> list[int]:
+    """Valid sub-block sizes for a block size."""
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def fit_sub_block(block_size: int, wanted: int | None) -> int:
+    """wanted when it divides block_size, else the largest divisor not above it (8 when unset)."""
+    wanted = 8 if wanted is None else int(wanted)
+    return max(d for d in divisors(block_size) if d <= max(wanted, 1))
+
+
+def defaults(can_diffuse: bool, block_size: int = 32) -> dict[str, Any]:
+    d = DecodeConfig()
+    return {"mode": "diffusion" if can_diffuse else "ar", "block_size": block_size,
+            "sub_block_size": fit_sub_block(block_size, d.sub_block_size), "threshold": d.threshold,
+            "strategy": d.strategy, "factor": d.factor, "cache": d.cache, "max_new_tokens": d.max_new_tokens,
+            "temperature": d.temperature, "top_p": d.top_p, "seed": -1, "system_prompt": DEFAULT_SYSTEM}
+
+
+def _int_like(v: Any) -> Any:
+    """Numbers from UI widgets arrive as floats (gr.Number, sliders): 32.0 -> 32; anything else unchanged."""
+    if isinstance(v, float) and v.is_integer():
+        return int(v)
+    return v
+
+
+def to_config(engine: Any, settings: dict[str, Any] | None, **overrides: Any) -> tuple[Any, str]:
+    """(validated DecodeConfig, system prompt) from a settings dict; raises ConfigError naming the field."""
+    if not isinstance(settings, (dict, type(None))):
+        raise ConfigError("settings", "must be an object of decoding settings")
+    s = dict(settings or {})
+    system = s.pop("system_prompt", DEFAULT_SYSTEM)
+    if system is not None and not isinstance(system, str):
+        raise ConfigError("system_prompt", "must be a string")
+    known = {f.name for f in fields(DecodeConfig)} - {"stop_token_ids"}
+    unknown = sorted(set(s) - known)
+    if unknown:
+        raise ConfigError(unknown[0], f"unknown setting; known: {', '.join(sorted(known | {'system_prompt'}))}")
+    s.update(overrides)
+    for k in ("block_size", "sub_block_size", "max_new_tokens", "seed"):
+        if k in s:
+            s[k] = _int_like(s[k])
+    if "seed" in s and (s["seed"] is None or s["seed"] == "" or s["seed"] == -1):
+        s["seed"] = None  # -1 or empty: a fresh random seed
+    cfg = engine.decode_config(**s)
+    if cfg.mode == "diffusion" and not engine.can_diffuse:
+        raise ConfigError("mode", "this model has no |<MASK>| token (no Fast-dLLM v2 adapter loaded), so it can "
+                                  "only decode with mode 'ar'")
+    return cfg, (system or "")
+
+
+def settings_from_widgets(*values: Any) -> dict[str, Any]:
+    """The settings dict from the widgets' values, in SETTING_KEYS order."""
+    return dict(zip(SETTING_KEYS, values))

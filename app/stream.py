@@ -1,0 +1,116 @@
+"""Run a decode on a worker thread and hand its events to the UI in frame-sized batches.
+
+The engine calls its listener synchronously from the decoding thread; the UI is a Gradio generator.
+A queue joins them, and batching to at most ~30 frames per second keeps the browser smooth however
+fast the engine steps. Stop requests are threading.Events found by a key (the browser session), so the
+GPU function below takes only picklable arguments, as ZeroGPU on Hugging Face Spaces requires.
+"""
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+from engine import DecodeConfig, Engine, Event, Result
+
+FRAME_SECONDS = 1 / 30
+
+_engine: Engine | None = None
+_cancels: dict[str, threading.Event] = {}
+_cancels_lock = threading.Lock()
+
+try:  # Hugging Face ZeroGPU: the GPU generation function must be decorated; elsewhere nothing changes
+    import spaces  # type: ignore[import-not-found]
+
+    _gpu = spaces.GPU(duration=120)
+except ImportError:  # pragma: no cover - depends on the host
+    def _gpu(fn):
+        return fn
+
+
+def set_engine(engine: Engine) -> None:
+    global _engine
+    _engine = engine
+
+
+def get_engine() -> Engine:
+    if _engine is None:
+        raise RuntimeError("the studio has no engine loaded")
+    return _engine
+
+
+def cancel_event(key: str) -> threading.Event:
+    """A fresh stop flag for this key (a browser session); the previous run of the key is done by now."""
+    with _cancels_lock:
+        ev = _cancels[key] = threading.Event()
+        return ev
+
+
+def request_stop(key: str) -> bool:
+    """Ask the key's running decode to stop after its current forward; False when nothing runs."""
+    with _cancels_lock:
+        ev = _cancels.get(key)
+    if ev is None:
+        return False
+    ev.set()
+    return True
+
+
+def release(key: str, ev: threading.Event) -> None:
+    with _cancels_lock:
+        if _cancels.get(key) is ev:
+            del _cancels[key]
+
+
+@_gpu
+def decode_stream(ids: list[int], cfg: DecodeConfig, prompt_text: str | None, key: str | None = None,
+                  frame: float = FRAME_SECONDS) -> Iterator[tuple[list[Event], Result | None]]:
+    """Yield (new events, None) batches while decoding, then ([], result). No tensors cross this border."""
+    engine = get_engine()
+    cancel = _cancels.get(key) if key else None
+    if cancel is None:
+        cancel = threading.Event()
+    q: queue.SimpleQueue[Event | None] = queue.SimpleQueue()
+    box: dict[str, Any] = {}
+
+    def work() -> None:
+        try:
+            [box["result"]] = engine.generate_ids([ids], cfg, listener=q.put, cancel=cancel, record=True,
+                                                  prompt_texts=[prompt_text] if prompt_text is not None else None)
+        except BaseException as e:  # re-raised in the caller's thread
+            box["error"] = e
+        finally:
+            q.put(None)
+
+    worker = threading.Thread(target=work, name="fastdllm-decode", daemon=True)
+    worker.start()
+    last, done = 0.0, False
+    try:
+        while not done:
+            first = q.get()
+            wait = last + frame - time.perf_counter()
+            if wait > 0 and first is not None:
+                time.sleep(wait)
+            batch: list[Event] = []
+            item: Event | None = first
+            while True:
+                if item is None:
+                    done = True
+                else:
+                    batch.append(item)
+                try:
+                    item = q.get_nowait()
+                except queue.Empty:
+                    break
+            if batch:
+                last = time.perf_counter()
+                yield batch, None
+    finally:
+        if worker.is_alive():  # the consumer went away (tab closed, generator closed): stop the engine
+            cancel.set()
+        worker.join()
+    if "error" in box:
+        raise box["error"]
+    yield [], box["result"]

@@ -1,0 +1,162 @@
+"""What the studio does, without Gradio: build prompts, decode, race, sweep. The UI and the API share it."""
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, replace
+from typing import Any
+
+from engine import ConfigError, DecodeConfig, Engine, Event, Result
+
+from .settings import BLOCK_SIZES, fit_sub_block, to_config
+from .stream import decode_stream, set_engine
+
+MAX_MESSAGE_CHARS = 20_000
+MAX_HISTORY = 200
+MAX_SWEEP_RUNS = 24
+
+
+@dataclass
+class Prepared:
+    """One decode, ready to run: token ids, validated config, and the conversation it answers."""
+
+    ids: list[int]
+    cfg: DecodeConfig
+    messages: list[dict[str, str]]  # system + history + the new user message (what the template saw)
+    user: str
+
+
+def _content(c: Any) -> str:
+    """A message's text: plain strings, or Gradio's list-of-parts form."""
+    if isinstance(c, str):
+        return c
+    if isinstance(c, dict) and isinstance(c.get("text"), str):
+        return c["text"]
+    if isinstance(c, list):
+        return "".join(_content(x) for x in c if isinstance(x, (str, dict)))
+    raise ConfigError("history", "message content must be text")
+
+
+def normalise_history(history: Any) -> list[dict[str, str]]:
+    """[{role, content}] with roles user/assistant only (the system prompt is a setting)."""
+    if history is None:
+        return []
+    if not isinstance(history, list) or len(history) > MAX_HISTORY:
+        raise ConfigError("history", f"must be a list of at most {MAX_HISTORY} {{role, content}} messages")
+    out = []
+    for m in history:
+        if not isinstance(m, dict) or m.get("role") not in ("user", "assistant"):
+            raise ConfigError("history", "each message must be an object with role 'user' or 'assistant' and content")
+        out.append({"role": m["role"], "content": _content(m.get("content", ""))})
+    return out
+
+
+def summary_dict(res: Result) -> dict[str, Any]:
+    d = asdict(res.summary)
+    d.pop("token_ids")
+    return d
+
+
+class Studio:
+    """The engine plus the studio's operations on it."""
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        set_engine(engine)
+
+    @property
+    def default_block_size(self) -> int:
+        bs = self.engine.lm.cfg.bd_size
+        return bs if bs in BLOCK_SIZES else 32
+
+    def prepare(self, message: Any, history: Any, settings: dict[str, Any] | None, **overrides: Any) -> Prepared:
+        """Validate everything before any decoding starts; ConfigError names the bad field."""
+        if not isinstance(message, str) or not message.strip():
+            raise ConfigError("message", "type a message first")
+        if len(message) > MAX_MESSAGE_CHARS:
+            raise ConfigError("message", f"is longer than {MAX_MESSAGE_CHARS} characters")
+        cfg, system = to_config(self.engine, settings, **overrides)
+        msgs = ([{"role": "system", "content": system}] if system.strip() else []) + normalise_history(history)
+        msgs.append({"role": "user", "content": message})
+        ids = self.engine.encode(self.engine.chat_prompt(msgs))
+        room = self.engine.max_context - len(ids)
+        if room < 1:
+            raise ConfigError("message", f"the conversation has {len(ids)} tokens; the model's context is "
+                                         f"{self.engine.max_context}. Clear the chat and try again.")
+        if cfg.max_new_tokens > room:  # the engine would clip it too; clip here so the live view's grid agrees
+            cfg = replace(cfg, max_new_tokens=room)
+        return Prepared(ids, cfg, msgs, message)
+
+    def header(self, prep: Prepared) -> dict[str, Any]:
+        """What the live view needs before the first event (the same fields the trace header has)."""
+        lm = self.engine.lm
+        return {"model": lm.name, "source": lm.source.reason, "adapter": bool(lm.source.adapter),
+                "device": lm.device.type, "dtype": str(lm.dtype).replace("torch.", ""), "config": prep.cfg.to_dict(),
+                "prompt": prep.user, "prompt_len": len(prep.ids), "mask_token_id": lm.mask_token_id}
+
+    def stream(self, prep: Prepared, key: str | None = None) -> Iterator[tuple[list[Event], Result | None]]:
+        return decode_stream(prep.ids, prep.cfg, prep.user, key)
+
+    def run(self, prep: Prepared, key: str | None = None) -> Result:
+        result = None
+        for _, res in self.stream(prep, key):
+            result = res or result
+        assert result is not None
+        return result
+
+    # ------------------------------------------------------------------ API operations
+    def generate(self, message: str, history: list | None = None, settings: dict | None = None) -> tuple[str, str]:
+        """Answer one chat turn: (answer text, trace JSON)."""
+        res = self.run(self.prepare(message, history, settings))
+        assert res.trace is not None
+        return res.text, res.trace.dumps()
+
+    def race_preps(self, message: str, settings: dict | None) -> tuple[Prepared, Prepared]:
+        if not self.engine.can_diffuse:
+            raise ConfigError("mode", "race needs block diffusion: this model has no |<MASK>| token (no Fast-dLLM v2 "
+                                      "adapter loaded)")
+        diff = self.prepare(message, None, settings, mode="diffusion")
+        return diff, Prepared(diff.ids, replace(diff.cfg, mode="ar"), diff.messages, diff.user)
+
+    def race(self, message: str, settings: dict | None = None) -> dict[str, Any]:
+        """The same prompt by block diffusion, then by the AR baseline (one engine: sequential)."""
+        diff_p, ar_p = self.race_preps(message, settings)
+        diff, ar = self.run(diff_p), self.run(ar_p)
+        return {"order": "sequential: diffusion first, then AR (one engine, one lock)",
+                "diffusion": summary_dict(diff), "ar": summary_dict(ar),
+                "speedup": diff.summary.tokens_per_second / max(ar.summary.tokens_per_second, 1e-9),
+                "nfe_ratio": ar.summary.nfe / max(diff.summary.nfe, 1)}
+
+    def sweep_plan(self, message: str, thresholds: Any, block_sizes: Any, settings: dict | None) -> list[Prepared]:
+        if not self.engine.can_diffuse:
+            raise ConfigError("mode", "a threshold sweep needs block diffusion: no Fast-dLLM v2 adapter is loaded")
+        if not isinstance(thresholds, list) or not thresholds:
+            raise ConfigError("thresholds", "pick at least one threshold")
+        if not all(isinstance(t, (int, float)) and not isinstance(t, bool) for t in thresholds):
+            raise ConfigError("thresholds", "must be numbers in (0, 1]")
+        if not isinstance(block_sizes, list) or not block_sizes:
+            raise ConfigError("block_sizes", "pick at least one block size")
+        bad = [b for b in block_sizes if b not in BLOCK_SIZES]
+        if bad:
+            raise ConfigError("block_sizes", f"allowed: {', '.join(map(str, BLOCK_SIZES))} (got {bad[0]!r})")
+        if len(thresholds) * len(block_sizes) > MAX_SWEEP_RUNS:
+            raise ConfigError("thresholds", f"at most {MAX_SWEEP_RUNS} runs per sweep (thresholds × block sizes)")
+        base = dict(settings or {})
+        plan = []
+        for bs in sorted(set(int(b) for b in block_sizes)):
+            for th in sorted(set(thresholds)):
+                plan.append(self.prepare(message, None, base, mode="diffusion", strategy="threshold", threshold=th,
+                                         block_size=bs, sub_block_size=fit_sub_block(bs, base.get("sub_block_size"))))
+        return plan
+
+    @staticmethod
+    def sweep_row(prep: Prepared, res: Result) -> dict[str, Any]:
+        s = res.summary
+        return {"threshold": prep.cfg.threshold, "block_size": prep.cfg.block_size,
+                "sub_block_size": prep.cfg.sub_block_size, "tokens_per_second": round(s.tokens_per_second, 3),
+                "tokens_per_forward": round(s.tokens_per_forward, 3), "nfe": s.nfe, "answer_tokens": s.answer_tokens,
+                "seconds": round(s.seconds, 4), "stop_reason": s.stop_reason}
+
+    def sweep(self, message: str, thresholds: list | None = None, block_sizes: list | None = None,
+              settings: dict | None = None) -> list[dict[str, Any]]:
+        """One prompt across thresholds × block sizes: tokens/s and tokens/forward of each run."""
+        return [self.sweep_row(p, self.run(p)) for p in self.sweep_plan(message, thresholds, block_sizes, settings)]

@@ -1,0 +1,461 @@
+"""The Gradio Blocks studio: chat + live denoising view, replay, heatmap, race, sweep, and the named API."""
+from __future__ import annotations
+
+import functools
+import json
+import tempfile
+import threading
+import uuid
+from collections import OrderedDict
+from pathlib import Path
+from typing import Any
+
+import gradio as gr
+
+from engine import ConfigError, Event, Result, Trace
+
+from . import plots, render
+from .settings import BLOCK_SIZES, INFO, SETTING_KEYS, SWEEP_THRESHOLDS, defaults, divisors, fit_sub_block, \
+    settings_from_widgets
+from .stream import cancel_event, release, request_stop
+from .studio import Prepared, Studio, summary_dict
+from .traces import MAX_TRACE_BYTES, TraceError, parse_trace, trace_label
+
+STATIC = Path(__file__).resolve().parent.parent / "static"
+MAX_SESSION_TRACES = 24
+ENGINE = dict(concurrency_id="engine", concurrency_limit=1)
+EXAMPLES = ["What is the capital of France?", "Write a haiku about the sea.",
+            "List three uses for a paperclip.", "Explain in two sentences why the sky is blue."]
+
+LIVE_TEMPLATE = '<div class="fd-live-root"></div>'
+PLAYER_TEMPLATE = '<div class="fd-player-root"></div>'
+
+
+def _live_js(empty: str) -> str:
+    return f"""
+const root = element.querySelector('.fd-live-root');
+let live = null; const early = [];
+watch('value', () => (live ? live.feed(props.value) : early.push(props.value)));
+const boot = () => {{
+  if (!window.FDStudio) return setTimeout(boot, 30);
+  live = root.fdLive = new window.FDStudio.Live(root, server, {json.dumps(empty)});
+  if (early.length) early.forEach((v) => live.feed(v)); else live.feed(props.value);
+}};
+boot();
+"""
+
+
+PLAYER_JS = """
+const root = element.querySelector('.fd-player-root');
+const boot = () => {
+  if (!window.FDStudio) return setTimeout(boot, 30);
+  const player = new window.FDStudio.Player(root);
+  player.load(props.value);
+  watch('value', () => player.load(props.value));
+};
+boot();
+"""
+
+
+class LiveRuns:
+    """Recent live runs' events, so a browser that missed a frame can fetch the gap (bounded memory)."""
+
+    def __init__(self, keep: int = 32):
+        self.keep, self.runs, self.lock = keep, OrderedDict(), threading.Lock()
+
+    def start(self) -> str:
+        run = uuid.uuid4().hex[:16]
+        with self.lock:
+            self.runs[run] = []
+            while len(self.runs) > self.keep:
+                self.runs.popitem(last=False)
+        return run
+
+    def extend(self, run: str, events: list[Event]) -> None:
+        with self.lock:
+            if run in self.runs:
+                self.runs[run].extend(e.to_json() for e in events)
+
+    def get(self, run: str, start: int, end: int) -> list[dict]:
+        with self.lock:
+            return list(self.runs.get(run, [])[max(0, start):max(0, end)])
+
+
+LIVE_RUNS = LiveRuns()
+
+
+def live_events(req: dict) -> list[dict]:
+    """Server function of the live views ({run, start, end} from the browser): events [start, end) of a run."""
+    try:
+        return LIVE_RUNS.get(str(req["run"]), int(req["start"]), int(req["end"]))
+    except (KeyError, TypeError, ValueError):
+        return []
+
+
+def _error(e: Exception) -> gr.Error:
+    return gr.Error(str(e), title="Invalid setting" if isinstance(e, ConfigError) else "Error", print_exception=False)
+
+
+def _save(trace_json: str) -> str:
+    """The trace as a file for the download button."""
+    f = tempfile.NamedTemporaryFile("w", suffix=".json", prefix="fastdllm-trace-", delete=False, encoding="utf-8")
+    with f:
+        f.write(trace_json)
+    return f.name
+
+
+def _entry(trace: Trace, traces: list[dict], tag: str, key: str = "") -> list[dict]:
+    """The session's trace list with this trace added (newest last, bounded)."""
+    text = trace.dumps()
+    entry = {"label": trace_label(trace, len(traces) + 1, tag), "json": text, "path": _save(text), "key": key,
+             "mode": trace.header.get("config", {}).get("mode")}
+    return (traces + [entry])[-MAX_SESSION_TRACES:]
+
+
+def _key(prep: Prepared) -> str:
+    """Runs with the same prompt ids and length budget are comparable (AR vs diffusion meters)."""
+    return f"{hash(tuple(prep.ids))}:{prep.cfg.max_new_tokens}"
+
+
+def _replay_outputs(traces: list[dict], index: int) -> tuple[Any, str, Any, Any, str]:
+    """dropdown, player value, heatmap, download path, meta line for trace `index` of the session."""
+    e = traces[index]
+    tr = Trace.loads(e["json"])
+    h = tr.header
+    cfg = h.get("config", {})
+    meta = (f"<b>{render.esc(h.get('model'))}</b> · {render.esc(h.get('device'))} · {render.esc(cfg.get('mode'))} · "
+            f"block {render.esc(cfg.get('block_size'))} / sub-block {render.esc(cfg.get('sub_block_size'))} · "
+            f"threshold {render.esc(cfg.get('threshold'))} · cache {render.esc(cfg.get('cache'))} · "
+            f"{len(tr.events)} events")
+    choices = [(t["label"], i) for i, t in enumerate(traces)]
+    return (gr.update(choices=choices, value=index), e["json"], plots.heatmap_figure(tr),
+            gr.update(value=e["path"], interactive=True), meta)
+
+
+def build(studio: Studio) -> gr.Blocks:
+    eng = studio.engine
+    lm = eng.lm
+    d = defaults(eng.can_diffuse, studio.default_block_size)
+
+    with gr.Blocks(title="Fast-dLLM v2 studio", fill_width=True) as demo:
+        gr.HTML(render.banner_html(lm, eng.can_diffuse, title="Fast-dLLM v2 studio"), js_on_load=None)
+        convo = gr.State([])
+        traces = gr.State([])
+        sid = gr.State(lambda: uuid.uuid4().hex)  # this browser session's key: Stop finds its run by it
+
+        with gr.Row(equal_height=False):
+            with gr.Column(scale=4, min_width=360):
+                chatbot = gr.Chatbot(label="Chat", height=470, elem_id="fd-chat", buttons=["copy"],
+                                     feedback_options=None, placeholder="Ask something: the answer is decoded "
+                                     "block by block, several tokens per forward.")
+                with gr.Row():
+                    msg = gr.Textbox(placeholder="Message (Enter sends)", show_label=False, scale=6, lines=1,
+                                     max_lines=6, elem_id="fd-msg", autofocus=True)
+                    send = gr.Button("Send", variant="primary", scale=1, min_width=70, elem_id="fd-send")
+                    stop = gr.Button("Stop", variant="stop", scale=1, min_width=70, interactive=False,
+                                     elem_id="fd-stop")
+                with gr.Row():
+                    clear = gr.Button("Clear", size="sm", scale=0, min_width=80)
+                gr.Examples(examples=[[e] for e in EXAMPLES], inputs=[msg], label="Examples")
+            with gr.Column(scale=6, min_width=480):
+                live = gr.HTML(render.live_clear(), html_template=LIVE_TEMPLATE, elem_id="fd-live",
+                               js_on_load=_live_js("Send a message to watch the blocks denoise."),
+                               server_functions=[live_events], container=True, padding=True)
+                meters = gr.HTML(render.meters_html(None), js_on_load=None, elem_id="fd-meters")
+
+        with gr.Tabs():
+            with gr.Tab("Replay", id="replay", elem_id="fd-tab-replay"):
+                with gr.Row():
+                    replay_pick = gr.Dropdown(choices=[], label="Answers of this session", scale=4,
+                                              info="Every answer keeps its trace (the last "
+                                                   f"{MAX_SESSION_TRACES}); pick one to replay without the model.")
+                    upload = gr.UploadButton("Upload trace", file_types=[".json"], scale=1, size="md")
+                    download = gr.DownloadButton("Download trace", interactive=False, scale=1, size="md")
+                replay_meta = gr.HTML("", js_on_load=None, elem_id="fd-replay-meta")
+                player = gr.HTML("", html_template=PLAYER_TEMPLATE, js_on_load=PLAYER_JS, elem_id="fd-player",
+                                 container=True, padding=True)
+            with gr.Tab("Heatmap", id="heatmap"):
+                gr.Markdown("Confidence of each answer position's best candidate at every forward while it was "
+                            "masked; squares mark the forward that committed it. Follows the trace picked in Replay.")
+                heatmap = gr.Plot(plots.heatmap_figure(None), show_label=False, elem_id="fd-heatmap")
+            with gr.Tab("Race", id="race"):
+                gr.Markdown("One prompt decoded by **Fast-dLLM v2 block diffusion** and by the **AR baseline** (same "
+                            "base weights, no adapter). The engine runs one generation at a time, so the two run "
+                            "**sequentially: diffusion first, then AR**; both are timed on engine time only.")
+                with gr.Row():
+                    race_msg = gr.Textbox(value=EXAMPLES[1], show_label=False, scale=6, placeholder="Prompt to race")
+                    race_btn = gr.Button("Race", variant="primary", scale=1, interactive=eng.can_diffuse)
+                    race_stop = gr.Button("Stop", variant="stop", scale=1)
+                race_meters = gr.HTML(render.race_html(None, None, "Press Race: diffusion runs first, then AR." if
+                                                       eng.can_diffuse else "Race needs the Fast-dLLM v2 adapter."),
+                                      js_on_load=None)
+                with gr.Row(equal_height=False):
+                    with gr.Column():
+                        gr.Markdown("**Fast-dLLM v2** (block diffusion) · runs first")
+                        race_d = gr.HTML(render.live_clear(), html_template=LIVE_TEMPLATE, js_on_load=_live_js(
+                            "Diffusion decoding appears here."), server_functions=[live_events], container=True,
+                            padding=True)
+                    with gr.Column():
+                        gr.Markdown("**AR baseline** (one token per forward) · runs second")
+                        race_ar = gr.HTML(render.live_clear(), html_template=LIVE_TEMPLATE, js_on_load=_live_js(
+                            "AR decoding appears here."), server_functions=[live_events], container=True,
+                            padding=True)
+            with gr.Tab("Sweep", id="sweep"):
+                gr.Markdown("One prompt across thresholds (and block sizes), threshold strategy, the other settings "
+                            "as set below: how tokens/s and tokens per forward move with the threshold.")
+                with gr.Row():
+                    sweep_msg = gr.Textbox(value=EXAMPLES[0], show_label=False, scale=4, placeholder="Prompt to sweep")
+                    sweep_th = gr.CheckboxGroup(list(SWEEP_THRESHOLDS), value=[0.5, 0.7, 0.9, 1.0], label="thresholds",
+                                                scale=3)
+                    sweep_bs = gr.CheckboxGroup(list(BLOCK_SIZES), value=[d["block_size"]], label="block sizes",
+                                                scale=2)
+                    sweep_btn = gr.Button("Run sweep", variant="primary", scale=1, interactive=eng.can_diffuse)
+                sweep_plot = gr.Plot(plots.sweep_figure([]), show_label=False)
+                sweep_table = gr.Dataframe(headers=["threshold", "block_size", "sub_block_size", "tokens_per_second",
+                                                    "tokens_per_forward", "nfe", "answer_tokens", "seconds",
+                                                    "stop_reason"], interactive=False, label="runs")
+
+        with gr.Accordion("Decoding settings: block size, sub-block, threshold, cache, sampling", open=False,
+                          elem_id="fd-settings"):
+            with gr.Row():
+                mode = gr.Radio(["diffusion", "ar"] if eng.can_diffuse else ["ar"], value=d["mode"], label="mode",
+                                info=INFO["mode"])
+                cache = gr.Radio(["none", "block", "dual"], value=d["cache"], label="cache", info=INFO["cache"])
+                strategy = gr.Radio(["threshold", "factor"], value=d["strategy"], label="strategy",
+                                    info=INFO["strategy"])
+            with gr.Row():
+                block = gr.Dropdown(list(BLOCK_SIZES), value=d["block_size"], label="block size",
+                                    info=INFO["block_size"])
+                sub = gr.Dropdown(divisors(d["block_size"]), value=d["sub_block_size"], label="sub-block size",
+                                  info=INFO["sub_block_size"])
+                threshold = gr.Slider(0.05, 1.0, value=d["threshold"], step=0.01, label="threshold",
+                                      info=INFO["threshold"])
+                factor = gr.Slider(0.1, 10.0, value=d["factor"], step=0.1, label="factor", info=INFO["factor"],
+                                   visible=False)
+            with gr.Row():
+                max_new = gr.Slider(8, 1024, value=d["max_new_tokens"], step=8, label="max new tokens",
+                                    info=INFO["max_new_tokens"], elem_id="fd-max-new")
+                temperature = gr.Slider(0.0, 2.0, value=d["temperature"], step=0.05, label="temperature",
+                                        info=INFO["temperature"])
+                top_p = gr.Slider(0.05, 1.0, value=d["top_p"], step=0.01, label="top-p", info=INFO["top_p"])
+                seed = gr.Number(value=d["seed"], precision=0, minimum=-1, label="seed", info=INFO["seed"])
+            system = gr.Textbox(value=d["system_prompt"], label="system prompt", info=INFO["system_prompt"], lines=1)
+        widgets = [mode, block, sub, threshold, strategy, factor, cache, max_new, temperature, top_p, seed, system]
+        assert len(widgets) == len(SETTING_KEYS)
+
+        # ------------------------------------------------------------------ settings plumbing (not API)
+        block.change(lambda bs, s: gr.update(choices=divisors(int(bs)), value=fit_sub_block(int(bs), s)),
+                     [block, sub], sub, api_visibility="private", queue=False)
+        strategy.change(lambda s: (gr.update(visible=s == "threshold"), gr.update(visible=s == "factor")),
+                        strategy, [threshold, factor], api_visibility="private", queue=False)
+
+        # ------------------------------------------------------------------ streaming one decode into a live view
+        def live_run(prep: Prepared, key: str, view: gr.HTML, first: dict | None = None, extra=None):
+            """Yield output dicts while decoding (the live view gets only new events); return (result, last frame).
+
+            `first` joins the first frame; `extra(events)` adds outputs to each frame (the chat bubble).
+            """
+            flag = cancel_event(key)
+            run, seq, frame, result = LIVE_RUNS.start(), 0, 0, None
+            out = {**(first or {}), **(extra([]) if extra else {}),
+                   view: render.live_payload(run, 0, [], header=studio.header(prep))}
+            yield out
+            try:
+                for events, res in studio.stream(prep, key):
+                    result = res or result
+                    if not events:
+                        continue
+                    LIVE_RUNS.extend(run, events)
+                    frame += 1
+                    yield {**(extra(events) if extra else {}), view: render.live_payload(run, seq, events, frame=frame)}
+                    seq += len(events)
+            except ConfigError as e:
+                raise _error(e) from None
+            except Exception as e:  # an engine failure: say so; the conversation is kept
+                raise gr.Error(f"decoding failed: {e}") from e
+            finally:
+                release(key, flag)
+            assert result is not None and result.trace is not None
+            return result, render.live_payload(run, seq, [], summary=result.summary, frame=frame + 1)
+
+        # ------------------------------------------------------------------ chat
+        chat_outputs = [msg, chatbot, convo, live, meters, traces, replay_pick, player, heatmap, download, replay_meta,
+                        send, stop]
+        idle = dict(api_visibility="private", queue=False)  # re-enable buttons after a run, even a failed one
+
+        def chat_ui(key: str, message: str, conv: list, trs: list, *values: Any):
+            try:
+                prep = studio.prepare(message, conv, settings_from_widgets(*values))
+            except ConfigError as e:
+                raise _error(e) from None
+            user = {"role": "user", "content": message}
+            answer = ""
+
+            def bubble(events: list[Event]) -> dict:
+                nonlocal answer
+                delta = "".join(e.text_delta for e in events)
+                answer += delta
+                shown = answer or "…"  # plain growth: Gradio then streams the bubble as appends
+                return {chatbot: render.chat_display(conv + [user, {"role": "assistant", "content": shown}])} \
+                    if delta or not events else {}
+
+            start = {msg: "", send: gr.update(interactive=False), stop: gr.update(interactive=True)}
+            result, last = yield from live_run(prep, key, live, start, bubble)
+            new_conv = conv + [user, {"role": "assistant", "content": result.text}]
+            new_trs = _entry(result.trace, trs, "chat · ", _key(prep))
+            ar = None
+            if prep.cfg.mode == "diffusion":
+                ar = next((Trace.loads(t["json"]).summary for t in reversed(new_trs)
+                           if t["key"] == _key(prep) and t["mode"] == "ar"), None)
+            note = "" if ar or prep.cfg.mode == "ar" else \
+                "Race this prompt (Race tab) or send it in AR mode to compare."
+            pick, pl, hm, dl, meta = _replay_outputs(new_trs, len(new_trs) - 1)
+            yield {chatbot: render.chat_display(new_conv), convo: new_conv, live: last,
+                   meters: render.meters_html(result.summary, f"{prep.cfg.mode} · engine time", ar, note),
+                   traces: new_trs, replay_pick: pick, player: pl, heatmap: hm, download: dl, replay_meta: meta}
+
+        gr.on([msg.submit, send.click], chat_ui, [sid, msg, convo, traces, *widgets], chat_outputs,
+              api_visibility="private", **ENGINE).then(
+            lambda: (gr.update(interactive=True), gr.update(interactive=False)), None, [send, stop], **idle)
+
+        def stop_run(key: str) -> None:
+            request_stop(key)
+
+        for b in (stop, race_stop):
+            b.click(stop_run, sid, None, queue=False, api_visibility="private")
+
+        clear.click(lambda: ([], [], render.live_clear(message="Cleared."), render.meters_html(None), ""),
+                    None, [chatbot, convo, live, meters, msg], api_visibility="private", queue=False)
+
+        # ------------------------------------------------------------------ replay
+        replay_outputs = [replay_pick, player, heatmap, download, replay_meta]
+
+        def pick_trace(i: Any, trs: list):
+            if i is None or not trs or not isinstance(i, int) or not 0 <= i < len(trs):
+                return [gr.skip()] * len(replay_outputs)
+            return _replay_outputs(trs, i)
+
+        replay_pick.input(pick_trace, [replay_pick, traces], replay_outputs, api_visibility="private")
+
+        def upload_trace(path: str | None, trs: list):
+            try:
+                if not path:
+                    raise TraceError("trace: no file received")
+                p = Path(path)
+                if p.stat().st_size > MAX_TRACE_BYTES:
+                    raise TraceError(f"trace: file is larger than {MAX_TRACE_BYTES // 2**20} MiB")
+                tr = parse_trace(p.read_bytes())
+            except TraceError as e:
+                gr.Warning(str(e), title="Trace rejected")
+                return [trs, *[gr.skip()] * (len(replay_outputs) - 1),
+                        f'<span class="fd-note">Trace rejected: {render.esc(e)}</span>']
+            new_trs = _entry(tr, trs, "uploaded · ")
+            return [new_trs, *_replay_outputs(new_trs, len(new_trs) - 1)]
+
+        upload.upload(upload_trace, [upload, traces], [traces, *replay_outputs], api_visibility="private")
+
+        # ------------------------------------------------------------------ race
+        race_outputs = [race_meters, race_d, race_ar, traces, replay_pick, player, heatmap, download, replay_meta,
+                        race_btn]
+
+        def race_ui(key: str, message: str, trs: list, *values: Any):
+            try:
+                preps = studio.race_preps(message, settings_from_widgets(*values))
+            except ConfigError as e:
+                raise _error(e) from None
+            results: list[Result] = []
+            yield {race_btn: gr.update(interactive=False), race_d: render.live_clear(message="Waiting…"),
+                   race_ar: render.live_clear(message="Waits for the diffusion run to finish (one engine)."),
+                   race_meters: render.race_html(None, None, "Running Fast-dLLM v2 (1/2)…")}
+            for n, (prep, view) in enumerate(zip(preps, (race_d, race_ar))):
+                result, last = yield from live_run(prep, key, view)
+                results.append(result)
+                status = "Running AR baseline (2/2)…" if n == 0 else "Done: diffusion ran first, then AR."
+                if result.summary.stop_reason == "cancelled":
+                    status = "Stopped."
+                ar = results[1].summary if n else None
+                yield {view: last, race_meters: render.race_html(results[0].summary, ar, status)}
+                if result.summary.stop_reason == "cancelled":
+                    break
+            new_trs = trs
+            for r, tag in zip(results, ("race · ", "race · ")):
+                new_trs = _entry(r.trace, new_trs, tag, _key(preps[0]))
+            yield {traces: new_trs, **dict(zip(replay_outputs, _replay_outputs(new_trs, len(new_trs) - 1)))}
+
+        race_btn.click(race_ui, [sid, race_msg, traces, *widgets], race_outputs, api_visibility="private",
+                       **ENGINE).then(lambda: gr.update(interactive=True), None, race_btn, **idle)
+
+        # ------------------------------------------------------------------ sweep
+        def sweep_ui(key: str, message: str, ths: list, bss: list, *values: Any):
+            try:
+                plan = studio.sweep_plan(message, ths, bss, settings_from_widgets(*values))
+            except ConfigError as e:
+                raise _error(e) from None
+            rows: list[dict] = []
+            yield {sweep_btn: gr.update(interactive=False, value=f"Running 0/{len(plan)}…")}
+            for i, prep in enumerate(plan):
+                flag = cancel_event(key)
+                try:
+                    res = studio.run(prep, key)
+                finally:
+                    release(key, flag)
+                if res.summary.stop_reason == "cancelled":
+                    break
+                rows.append(studio.sweep_row(prep, res))
+                yield {sweep_plot: plots.sweep_figure(rows), sweep_table: [list(r.values()) for r in rows],
+                       sweep_btn: gr.update(value=f"Running {i + 1}/{len(plan)}…")}
+
+        sweep_btn.click(sweep_ui, [sid, sweep_msg, sweep_th, sweep_bs, *widgets], [sweep_plot, sweep_table, sweep_btn],
+                        api_visibility="private", **ENGINE).then(
+            lambda: gr.update(interactive=True, value="Run sweep"), None, sweep_btn, **idle)
+
+        # ------------------------------------------------------------------ named API (gradio_client)
+        def api(fn):
+            @functools.wraps(fn)
+            def call(*args: Any) -> Any:
+                try:
+                    return fn(*args)
+                except (ConfigError, TraceError) as e:
+                    raise _error(e) from None
+            return call
+
+        def generate(message: str, history: list, settings: dict) -> tuple[str, str]:
+            """Answer one chat turn. history: [{role, content}]; settings: decoding settings (see /info).
+            Returns (answer text, trace JSON)."""
+            return studio.generate(message, history, settings)
+
+        def race_api(message: str, settings: dict) -> dict:
+            """Decode one prompt by block diffusion, then by the AR baseline; both summaries and the speed-up."""
+            return studio.race(message, settings)
+
+        def sweep_api(message: str, thresholds: list, block_sizes: list, settings: dict) -> list:
+            """One prompt across thresholds × block sizes: tokens/s and tokens/forward per run."""
+            return studio.sweep(message, thresholds, block_sizes, settings)
+
+        def check_trace(trace_json: str) -> dict:
+            """Validate a trace JSON as the replay upload does; returns its header and summary."""
+            tr = parse_trace(trace_json)
+            return {"header": tr.header, "events": len(tr.events),
+                    "summary": summary_dict(Result(tr.summary, None)) if tr.summary else None}
+
+        def info() -> dict:
+            """The loaded model and the default settings."""
+            return {"banner": lm.banner(), "can_diffuse": eng.can_diffuse, "defaults": d,
+                    "block_sizes": list(BLOCK_SIZES), "settings_help": INFO}
+
+        gr.api(api(generate), api_name="generate", **ENGINE)
+        gr.api(api(race_api), api_name="race", **ENGINE)
+        gr.api(api(sweep_api), api_name="sweep", **ENGINE)
+        gr.api(api(check_trace), api_name="check_trace")
+        gr.api(info, api_name="info")
+    return demo
+
+
+def launch_kwargs() -> dict[str, Any]:
+    """css / head / theme for launch() (Gradio 6 takes them there, not in Blocks)."""
+    js = (STATIC / "studio.js").read_text(encoding="utf-8")
+    theme = gr.themes.Soft(primary_hue="blue", neutral_hue="slate",
+                           font=["ui-sans-serif", "system-ui", "sans-serif"],
+                           font_mono=["ui-monospace", "SFMono-Regular", "Menlo", "monospace"])
+    return {"css": (STATIC / "studio.css").read_text(encoding="utf-8"), "head": f"<script>{js}</script>",
+            "theme": theme, "footer_links": ["api", "gradio"], "max_file_size": MAX_TRACE_BYTES + 2**20}

@@ -1,0 +1,135 @@
+"""CLI: `python -m engine generate ...` (one prompt, text or JSON) and `python -m engine chat` (terminal chat)."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from .config import CACHE_MODES, MODES, STRATEGIES, ConfigError, DecodeConfig
+from .loading import ModelSourceError
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line, non-zero exit, no traceback
+        self.exit(2, f"error: {message}\n")
+
+
+def _decode_args(p: argparse.ArgumentParser) -> None:
+    d = DecodeConfig()
+    p.add_argument("--model", help="hub id or local checkpoint directory (default: FASTDLLM_MODEL, else the bundled model)")
+    p.add_argument("--mode", choices=MODES, default=d.mode, help="block diffusion (Fast-dLLM v2) or the AR baseline")
+    p.add_argument("--block-size", type=int, default=d.block_size, help="tokens per block (block-causal attention)")
+    p.add_argument("--sub-block-size", type=int, default=d.sub_block_size, help="tokens decoded in parallel; must divide the block size")
+    p.add_argument("--threshold", type=float, default=d.threshold, help="commit masks whose confidence exceeds this, in (0, 1]")
+    p.add_argument("--strategy", choices=STRATEGIES, default=d.strategy, help="unmasking rule")
+    p.add_argument("--factor", type=float, default=d.factor, help="f of the factor rule: commit the largest n with (n+1)(1-c_n) < f")
+    p.add_argument("--cache", choices=CACHE_MODES, default=d.cache, help="KV cache: none, block-level, or block + sub-block DualCache")
+    p.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens, help="cap on answer tokens")
+    p.add_argument("--temperature", type=float, default=d.temperature, help="0 = greedy")
+    p.add_argument("--top-p", type=float, default=d.top_p, help="nucleus sampling mass, in (0, 1]")
+    p.add_argument("--seed", type=int, default=None, help="random seed for sampling")
+    p.add_argument("--system", default=None, help="system prompt (default: the model's chat template default)")
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None, help="weights dtype (default: bf16 on CUDA, fp32 on CPU)")
+
+
+def _config(engine, a: argparse.Namespace) -> DecodeConfig:
+    return engine.decode_config(mode=a.mode, block_size=a.block_size, sub_block_size=a.sub_block_size,
+                                threshold=a.threshold, strategy=a.strategy, factor=a.factor, cache=a.cache,
+                                max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_p=a.top_p, seed=a.seed)
+
+
+def _messages(system: str | None, history: list[dict[str, str]], prompt: str) -> list[dict[str, str]]:
+    return ([{"role": "system", "content": system}] if system else []) + history + [{"role": "user", "content": prompt}]
+
+
+def cmd_generate(a: argparse.Namespace) -> int:
+    from .engine import Engine
+
+    DecodeConfig(mode=a.mode, block_size=a.block_size, sub_block_size=a.sub_block_size, threshold=a.threshold,
+                 strategy=a.strategy, factor=a.factor, cache=a.cache, max_new_tokens=a.max_new_tokens,
+                 temperature=a.temperature, top_p=a.top_p, seed=a.seed).validate()  # fail before loading weights
+    if not a.prompt.strip():
+        raise ConfigError("prompt", "must not be empty")
+    engine = Engine.load(a.model, a.device, a.dtype)
+    cfg = _config(engine, a)
+    text = engine.chat_prompt(_messages(a.system, [], a.prompt))
+    stream = None if (a.json or a.quiet) else (lambda e: print(e.text_delta, end="", flush=True) if e.text_delta else None)
+    [res] = engine.generate_ids([engine.encode(text)], cfg, listener=stream, record=bool(a.trace), prompt_texts=[a.prompt])
+    s = res.summary
+    if a.trace:
+        Path(a.trace).write_text(res.trace.dumps())
+    if a.json:
+        print(json.dumps({"text": s.text, "tokens": s.answer_tokens, "token_ids": s.token_ids, "nfe": s.nfe,
+                          "tokens_per_forward": s.tokens_per_forward, "seconds": s.seconds,
+                          "tokens_per_second": s.tokens_per_second, "ttft": s.ttft, "stop_reason": s.stop_reason,
+                          "mode": cfg.mode, "cache": cfg.cache, "threshold": cfg.threshold,
+                          "block_size": cfg.block_size, "sub_block_size": cfg.sub_block_size,
+                          "model": engine.lm.banner()}, ensure_ascii=False))
+    else:
+        if a.quiet:
+            print(s.text)
+        else:
+            print()
+        print(f"[{s.answer_tokens} tokens · {s.nfe} forwards · {s.tokens_per_forward:.2f} tokens/forward · "
+              f"{s.tokens_per_second:.1f} tokens/s · {engine.lm.banner()}]", file=sys.stderr)
+    return 0
+
+
+def cmd_chat(a: argparse.Namespace) -> int:
+    from .engine import Engine
+
+    engine = Engine.load(a.model, a.device, a.dtype)
+    cfg = _config(engine, a)
+    print(f"{engine.lm.banner()}\nType a message; 'clear' resets the conversation, 'exit' quits.", file=sys.stderr)
+    history: list[dict[str, str]] = []
+    while True:
+        try:
+            line = input("you> ")
+        except (EOFError, KeyboardInterrupt):
+            print()
+            return 0
+        msg = line.strip()
+        if not msg:
+            continue
+        if msg.lower() in ("exit", "quit"):
+            return 0
+        if msg.lower() == "clear":
+            history.clear()
+            print("(conversation cleared)", file=sys.stderr)
+            continue
+        ids = engine.encode(engine.chat_prompt(_messages(a.system, history, msg)))
+        print("bot> ", end="", flush=True)
+        try:
+            [res] = engine.generate_ids([ids], cfg, record=False,
+                                        listener=lambda e: print(e.text_delta, end="", flush=True) if e.text_delta else None)
+        except ConfigError as exc:
+            print(f"\nerror: {exc}", file=sys.stderr)
+            continue
+        s = res.summary
+        print(f"\n[{s.answer_tokens} tokens · {s.tokens_per_forward:.2f} tokens/forward · {s.tokens_per_second:.1f} tokens/s]", file=sys.stderr)
+        history += [{"role": "user", "content": msg}, {"role": "assistant", "content": s.text}]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = _Parser(prog="python -m engine", description="Fast-dLLM v2 block-diffusion decoding")
+    sub = p.add_subparsers(dest="cmd", required=True, parser_class=_Parser)
+    g = sub.add_parser("generate", help="answer one prompt")
+    g.add_argument("--prompt", required=True, help="the user message")
+    g.add_argument("--json", action="store_true", help="print one JSON object with text and measurements")
+    g.add_argument("--trace", metavar="FILE", help="write the JSON trace (replayable in the studio)")
+    g.add_argument("--quiet", action="store_true", help="print the answer at the end instead of streaming")
+    _decode_args(g)
+    c = sub.add_parser("chat", help="multi-turn terminal chat")
+    _decode_args(c)
+    a = p.parse_args(argv)
+    try:
+        return cmd_generate(a) if a.cmd == "generate" else cmd_chat(a)
+    except (ConfigError, ModelSourceError, ValueError, OSError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

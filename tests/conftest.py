@@ -1,0 +1,30 @@
+"""Shared fixtures: the real bundled engine (loaded once) and small on-disk checkpoints."""
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture(scope="session")
+def engine():
+    """The default engine: bundled SmolLM2-135M + the trained adapter from assets/ (the studio's default)."""
+    from engine import Engine
+
+    eng = Engine.load()
+    assert eng.can_diffuse, "the bundled model must ship its adapter (assets/fastdllm_adapter.safetensors)"
+    return eng
+
+
+@pytest.fixture(scope="session")
+def tiny_fast_dllm(tmp_path_factory) -> Path:
+    from checkpoints import build_fast_dllm_checkpoint
+
+    return build_fast_dllm_checkpoint(tmp_path_factory.mktemp("fast_dllm_tiny"))

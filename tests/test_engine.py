@@ -1,0 +1,256 @@
+"""Engine tests on real weights: the bundled SmolLM2-135M (+ adapter) and tiny checkpoints built on disk."""
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import pytest
+import torch
+
+from engine import ConfigError, DecodeConfig, Engine, Trace
+from engine.loading import build_model, bundled_base_dir
+from engine.model import block_causal_mask
+from engine.sampling import sample, select_commits
+from engine.text import IncrementalDetokenizer, TokenBytes
+
+PROMPTS = ["What is the capital of France?", "Name three colors.", "Write a short poem about the sea."]
+
+
+def committed_positions(trace: Trace) -> list[int]:
+    return [t.pos for e in trace.events for t in e.committed]
+
+
+# ------------------------------------------------------------------ forward vs transformers
+def test_forward_matches_transformers_tiny_qwen2(tmp_path):
+    """QKV bias, GQA, untied head, rope theta: our forward == transformers' Qwen2 on causal input."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    hf_cfg = Qwen2Config(vocab_size=320, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+                         num_attention_heads=8, num_key_value_heads=2, rope_theta=50000.0, tie_word_embeddings=False,
+                         max_position_embeddings=512)
+    hf = Qwen2ForCausalLM(hf_cfg).eval()
+    with torch.no_grad():  # random biases (zero by default) so the bias path is exercised
+        for layer in hf.model.layers:
+            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                proj.bias.normal_(0, 0.1)
+    hf.save_pretrained(tmp_path)
+    ours = build_model(tmp_path, torch.device("cpu"), torch.float32)
+    assert ours.cfg.attention_bias and not ours.cfg.tie_word_embeddings
+    ids = torch.randint(0, 320, (2, 40))
+    pos = torch.arange(40)[None].expand(2, -1)
+    with torch.no_grad():
+        ref = hf(ids).logits
+        got = ours(ids, pos, causal=True)
+    torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
+
+
+def test_forward_matches_transformers_bundled_base():
+    from transformers import AutoModelForCausalLM
+
+    path = bundled_base_dir()
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    ours = build_model(path, torch.device("cpu"), torch.float32)
+    ids = torch.randint(0, 49152, (1, 48))
+    with torch.no_grad():
+        ref = hf(ids).logits
+        got = ours(ids, torch.arange(48)[None], causal=True)
+    torch.testing.assert_close(got, ref, atol=2e-3, rtol=1e-3)
+
+
+def test_ar_greedy_matches_transformers_generate(engine):
+    """Our AR decoder (KV cache, one token per forward) == transformers' generate(), token for token."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(bundled_base_dir(), dtype=torch.float32).eval()
+    cfg = engine.decode_config(mode="ar", max_new_tokens=24)
+    for prompt in PROMPTS[:2]:
+        ids = engine.encode(engine.chat_prompt([{"role": "user", "content": prompt}]))
+        [res] = engine.generate_ids([ids], cfg, record=False)
+        with torch.no_grad():
+            out = hf.generate(torch.tensor([ids]), max_new_tokens=24, do_sample=False,
+                              eos_token_id=list(cfg.stop_token_ids), pad_token_id=0)
+        assert res.summary.token_ids == out[0, len(ids):].tolist()
+
+
+# ------------------------------------------------------------------ block diffusion
+def test_cache_none_and_block_are_identical_dual_measured(engine):
+    """The block cache is exact: none and block give the same greedy tokens. dual is an approximation."""
+    agree = total = 0
+    for prompt in PROMPTS:
+        base = engine.decode_config(mode="diffusion", max_new_tokens=48, threshold=0.9)
+        none = engine.generate(prompt, replace(base, cache="none"), record=False)[0].summary
+        block = engine.generate(prompt, replace(base, cache="block"), record=False)[0].summary
+        dual = engine.generate(prompt, replace(base, cache="dual"), record=False)[0].summary
+        assert none.token_ids == block.token_ids, prompt
+        n = min(len(block.token_ids), len(dual.token_ids))
+        agree += sum(a == b for a, b in zip(block.token_ids[:n], dual.token_ids[:n]))
+        total += max(len(block.token_ids), len(dual.token_ids))
+    print(f"dual vs block greedy token agreement: {agree}/{total} = {agree / total:.1%}")
+    assert agree / total > 0.5
+
+
+def test_threshold_one_commits_exactly_one_token_per_step(engine):
+    cfg = engine.decode_config(mode="diffusion", threshold=1.0, max_new_tokens=40, cache="dual")
+    [res] = engine.generate(PROMPTS[1], cfg)
+    for e in res.trace.events:
+        if e.kind in ("prefill", "step"):
+            assert len(e.committed) == 1
+        elif e.kind == "commit":
+            assert len(e.committed) <= 1
+
+
+def test_lower_threshold_never_commits_fewer():
+    """Same confidences: a lower threshold's commit set contains a higher one's; factor rule sanity."""
+    g = torch.Generator().manual_seed(0)
+    for _ in range(50):
+        conf = torch.rand(8, generator=g)
+        sets = [select_commits(conf, "threshold", t, 1.0) for t in (1.0, 0.9, 0.7, 0.5, 0.1)]
+        assert sets[0].sum() == 1 and sets[0][conf.argmax()]
+        for hi, lo in zip(sets, sets[1:]):
+            assert bool((lo | ~hi).all())
+    conf = torch.tensor([0.99, 0.95, 0.9, 0.5])
+    # (n+1)(1-c_n) < f: n=1: 2*0.01=.02, n=2: 3*.05=.15, n=3: 4*.1=.4, n=4: 5*.5=2.5
+    assert select_commits(conf, "factor", 0, 0.5).tolist() == [True, True, True, False]
+    assert select_commits(conf, "factor", 0, 0.01).tolist() == [True, False, False, False]
+
+
+def test_lower_threshold_more_tokens_per_forward(engine):
+    tpf = [engine.generate(PROMPTS[2], engine.decode_config(threshold=t, max_new_tokens=64), record=False)[0]
+           .summary.tokens_per_forward for t in (1.0, 0.5)]
+    assert tpf[0] == pytest.approx(64 / 65, abs=0.1) or tpf[0] <= 1.0
+    assert tpf[1] >= tpf[0]
+
+
+@pytest.mark.parametrize("cache", ["none", "block", "dual"])
+@pytest.mark.parametrize("prompt_len", [5, 31, 32, 64, 33])
+def test_prompt_lengths_on_the_block_grid(engine, prompt_len, cache):
+    """Shorter than a block, exactly one, exact multiples, one over: every answer position once, in order."""
+    ids = engine.encode(" ".join(["hello"] * 80))[:prompt_len]
+    assert len(ids) == prompt_len
+    never = engine.lm.mask_token_id  # a stop id that is never committed: the answer runs to max_new_tokens
+    cfg = engine.decode_config(mode="diffusion", cache=cache, max_new_tokens=37, stop_token_ids=(never,))
+    [res] = engine.generate_ids([ids], cfg)
+    pos = committed_positions(res.trace)
+    assert sorted(pos) == list(range(37)), "each answer position committed exactly once"
+    assert res.summary.answer_tokens == 37 and res.summary.stop_reason == "max_new_tokens"
+    assert never not in res.summary.token_ids, "the mask token is never committed"
+    by_pos = {t.pos: t.id for e in res.trace.events for t in e.committed}
+    assert [by_pos[p] for p in range(37)] == res.summary.token_ids
+    assert res.trace.events[0].kind == "prefill" and res.trace.events[-1].kind == "done"
+    assert [e.nfe for e in res.trace.events[:-1]] == list(range(1, res.summary.nfe + 1))
+
+
+def test_max_new_tokens_exact_and_stop_token(engine):
+    for n in (1, 3, 33):
+        [res] = engine.generate(PROMPTS[2], engine.decode_config(max_new_tokens=n))
+        assert res.summary.answer_tokens <= n
+        if res.summary.stop_reason == "max_new_tokens":
+            assert res.summary.answer_tokens == n
+    [res] = engine.generate(PROMPTS[0], engine.decode_config(max_new_tokens=64))
+    if res.summary.stop_reason == "stop_token":
+        assert res.summary.token_ids[-1] in engine.lm.stop_token_ids
+
+
+def test_batch_matches_single_rows(engine):
+    """Prompts of different lengths in one batch decode as they do alone; finished rows leave the batch."""
+    for mode, cache in (("ar", "dual"), ("diffusion", "block"), ("diffusion", "dual")):
+        cfg = engine.decode_config(mode=mode, cache=cache, max_new_tokens=40)
+        batch = engine.generate(PROMPTS, cfg, record=False)
+        single = [engine.generate(p, cfg, record=False)[0] for p in PROMPTS]
+        agree = [sum(a == b for a, b in zip(x.summary.token_ids, y.summary.token_ids)) / max(len(y.summary.token_ids), 1)
+                 for x, y in zip(batch, single)]
+        print(mode, cache, "batch vs single agreement", agree)
+        assert min(agree) >= 0.9
+
+
+def test_per_row_top_p():
+    """Each row samples from its own nucleus (the reference used row 0's for every row)."""
+    logits = torch.full((2, 6), -20.0)
+    logits[0, 0] = 10.0  # row 0: all mass on token 0
+    logits[1, 3] = logits[1, 4] = 10.0  # row 1: mass split between 3 and 4
+    g = torch.Generator().manual_seed(0)
+    seen = set()
+    for _ in range(40):
+        tok, conf = sample(logits, 1.0, 0.9, g)
+        assert tok[0] == 0 and tok[1] in (3, 4)
+        seen.add(int(tok[1]))
+    assert seen == {3, 4}
+
+
+def test_sampling_is_seeded(engine):
+    cfg = engine.decode_config(mode="diffusion", temperature=0.8, top_p=0.9, seed=123, max_new_tokens=24)
+    a = engine.generate(PROMPTS[2], cfg, record=False)[0].summary.token_ids
+    b = engine.generate(PROMPTS[2], cfg, record=False)[0].summary.token_ids
+    assert a == b
+
+
+def test_events_feed_heatmap_and_text(engine):
+    cfg = engine.decode_config(mode="diffusion", max_new_tokens=48, threshold=0.9, cache="block")
+    [res] = engine.generate(PROMPTS[2], cfg)
+    steps = [e for e in res.trace.events if e.kind in ("prefill", "step")]
+    assert any(e.masked for e in steps), "masked positions carry their current best token and confidence"
+    for e in steps:
+        for t in e.masked + e.committed:
+            assert 0.0 <= t.conf <= 1.0 and 0 <= t.pos < 48
+    assert "".join(e.text_delta for e in res.trace.events) == res.summary.text
+    assert res.summary.tokens_per_forward == pytest.approx(res.summary.answer_tokens / res.summary.nfe)
+
+
+def test_trace_round_trips_through_json(engine):
+    [res] = engine.generate(PROMPTS[0], engine.decode_config(max_new_tokens=24))
+    text = res.trace.dumps()
+    back = Trace.loads(text)
+    assert back.to_json() == json.loads(text)
+    assert back.summary.token_ids == res.summary.token_ids and len(back.events) == len(res.trace.events)
+    assert back.header["config"]["block_size"] == 32 and back.header["prompt"] == PROMPTS[0]
+    with pytest.raises(ValueError, match="version"):
+        Trace.loads('{"version": 99}')
+
+
+# ------------------------------------------------------------------ config validation
+@pytest.mark.parametrize("field,value,needle", [
+    ("sub_block_size", 5, "must divide block_size=32"),
+    ("sub_block_size", 0, "sub_block_size"),
+    ("block_size", 0, "block_size"),
+    ("threshold", 0.0, "threshold: must be a number in (0, 1]"),
+    ("threshold", 1.5, "threshold"),
+    ("cache", "disk", "cache: must be one of none, block, dual"),
+    ("mode", "beam", "mode"),
+    ("strategy", "greedy", "strategy"),
+    ("max_new_tokens", 0, "max_new_tokens"),
+    ("temperature", -1.0, "temperature"),
+    ("top_p", 0.0, "top_p"),
+    ("seed", -3, "seed"),
+    ("threshold", "high", "threshold"),
+])
+def test_invalid_configs_are_rejected(field, value, needle):
+    with pytest.raises(ConfigError) as err:
+        DecodeConfig(**{field: value}).validate()
+    assert needle in str(err.value) and err.value.field == field
+
+
+def test_prompt_longer_than_context_is_rejected(engine):
+    with pytest.raises(ConfigError, match="prompt"):
+        engine.generate_ids([[1] * (engine.max_context + 1)], engine.decode_config(max_new_tokens=4))
+
+
+# ------------------------------------------------------------------ text
+def test_incremental_detokenizer_handles_split_characters(engine):
+    tok = engine.lm.tokenizer
+    text = "naïve café 🙂 日本語 ok"
+    ids = tok.encode(text, add_special_tokens=False)
+    tb = TokenBytes(tok)
+    assert any("<0x" in tb.piece(i) for i in ids), "some token holds a partial UTF-8 character"
+    d = IncrementalDetokenizer(tb)
+    pieces = [d.push(i) for i in ids]
+    assert "".join(pieces) + d.flush() == text == tok.decode(ids)
+    assert all("\ufffd" not in p for p in pieces)
+
+
+def test_block_causal_mask_rule():
+    pos = torch.arange(10)[None]
+    m = block_causal_mask(pos, 10, 4)[0, 0]
+    for q in range(10):
+        for k in range(10):
+            assert bool(m[q, k]) == (k // 4 <= q // 4)
