@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from contextlib import closing
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
@@ -11,7 +12,9 @@ from .settings import BLOCK_SIZES, fit_sub_block, to_config
 from .stream import decode_stream, set_engine
 
 MAX_MESSAGE_CHARS = 20_000
+MAX_SYSTEM_CHARS = MAX_MESSAGE_CHARS
 MAX_HISTORY = 200
+MAX_HISTORY_CHARS = 10 * MAX_MESSAGE_CHARS
 MAX_SWEEP_RUNS = 24
 
 
@@ -23,6 +26,17 @@ class Prepared:
     cfg: DecodeConfig
     messages: list[dict[str, str]]  # system + history + the new user message (what the template saw)
     user: str
+
+
+def check_text(field: str, text: str, limit: int) -> str:
+    """Text the tokenizer can take: bounded, and valid Unicode (a browser or client can send lone surrogates)."""
+    if len(text) > limit:
+        raise ConfigError(field, f"is longer than {limit} characters")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ConfigError(field, f"is not valid Unicode (a lone surrogate at character {e.start})") from None
+    return text
 
 
 def _content(c: Any) -> str:
@@ -42,11 +56,15 @@ def normalise_history(history: Any) -> list[dict[str, str]]:
         return []
     if not isinstance(history, list) or len(history) > MAX_HISTORY:
         raise ConfigError("history", f"must be a list of at most {MAX_HISTORY} {{role, content}} messages")
-    out = []
+    out, room = [], MAX_HISTORY_CHARS
     for m in history:
         if not isinstance(m, dict) or m.get("role") not in ("user", "assistant"):
             raise ConfigError("history", "each message must be an object with role 'user' or 'assistant' and content")
-        out.append({"role": m["role"], "content": _content(m.get("content", ""))})
+        content = _content(m.get("content", ""))
+        room -= len(content)
+        if room < 0:
+            raise ConfigError("history", f"has more than {MAX_HISTORY_CHARS} characters in all")
+        out.append({"role": m["role"], "content": check_text("history", content, MAX_HISTORY_CHARS)})
     return out
 
 
@@ -70,11 +88,13 @@ class Studio:
 
     def prepare(self, message: Any, history: Any, settings: dict[str, Any] | None, **overrides: Any) -> Prepared:
         """Validate everything before any decoding starts; ConfigError names the bad field."""
-        if not isinstance(message, str) or not message.strip():
+        if not isinstance(message, str):
+            raise ConfigError("message", "must be text")
+        if not message.strip():
             raise ConfigError("message", "type a message first")
-        if len(message) > MAX_MESSAGE_CHARS:
-            raise ConfigError("message", f"is longer than {MAX_MESSAGE_CHARS} characters")
+        check_text("message", message, MAX_MESSAGE_CHARS)
         cfg, system = to_config(self.engine, settings, **overrides)
+        check_text("system_prompt", system, MAX_SYSTEM_CHARS)
         msgs = ([{"role": "system", "content": system}] if system.strip() else []) + normalise_history(history)
         msgs.append({"role": "user", "content": message})
         ids = self.engine.encode(self.engine.chat_prompt(msgs))
@@ -88,27 +108,31 @@ class Studio:
 
     def header(self, prep: Prepared) -> dict[str, Any]:
         """What the live view needs before the first event (the same fields the trace header has)."""
-        lm = self.engine.lm
-        return {"model": lm.name, "source": lm.source.reason, "adapter": bool(lm.source.adapter),
-                "device": lm.device.type, "dtype": str(lm.dtype).replace("torch.", ""), "config": prep.cfg.to_dict(),
-                "prompt": prep.user, "prompt_len": len(prep.ids), "mask_token_id": lm.mask_token_id}
+        return self.engine.trace_header(prep.ids, prep.cfg, prep.user)
 
     def stream(self, prep: Prepared, key: str | None = None) -> Iterator[tuple[list[Event], Result | None]]:
         return decode_stream(prep.ids, prep.cfg, prep.user, key)
 
-    def run(self, prep: Prepared, key: str | None = None) -> Result:
-        result = None
-        for _, res in self.stream(prep, key):
-            result = res or result
-        assert result is not None
-        return result
+    def steps(self, prep: Prepared, key: str | None = None) -> Iterator[str | Result]:
+        """The answer so far once per frame, then the Result. Closing it (a client that cancels or goes away)
+        stops the engine after its current forward."""
+        text = ""
+        with closing(self.stream(prep, key)) as frames:
+            for events, res in frames:
+                if res is not None:
+                    yield res
+                    return
+                text += "".join(e.text_delta for e in events)
+                yield text
 
-    # ------------------------------------------------------------------ API operations
-    def generate(self, message: str, history: list | None = None, settings: dict | None = None) -> tuple[str, str]:
-        """Answer one chat turn: (answer text, trace JSON)."""
-        res = self.run(self.prepare(message, history, settings))
-        assert res.trace is not None
-        return res.text, res.trace.dumps()
+    # ------------------------------------------------------------------ API operations (they stream: see steps)
+    def generate(self, message: str, history: list | None = None,
+                 settings: dict | None = None) -> Iterator[tuple[str, str]]:
+        """Answer one chat turn: (answer so far, "") once per frame, last (answer text, trace JSON)."""
+        prep = self.prepare(message, history, settings)
+        with closing(self.steps(prep)) as steps:
+            for x in steps:
+                yield (x, "") if isinstance(x, str) else (x.text, x.trace.dumps())
 
     def race_preps(self, message: str, settings: dict | None) -> tuple[Prepared, Prepared]:
         if not self.engine.can_diffuse:
@@ -117,11 +141,21 @@ class Studio:
         diff = self.prepare(message, None, settings, mode="diffusion")
         return diff, Prepared(diff.ids, replace(diff.cfg, mode="ar"), diff.messages, diff.user)
 
-    def race(self, message: str, settings: dict | None = None) -> dict[str, Any]:
-        """The same prompt by block diffusion, then by the AR baseline (one engine: sequential)."""
-        diff_p, ar_p = self.race_preps(message, settings)
-        diff, ar = self.run(diff_p), self.run(ar_p)
-        return {"order": "sequential: diffusion first, then AR (one engine, one lock)",
+    def race(self, message: str, settings: dict | None = None) -> Iterator[dict[str, Any]]:
+        """The same prompt by block diffusion, then by the AR baseline (one engine: sequential).
+
+        Yields {running: mode, text: answer so far} once per frame, last both summaries and the speed-up.
+        """
+        results = []
+        for prep in self.race_preps(message, settings):
+            with closing(self.steps(prep)) as steps:
+                for x in steps:
+                    if isinstance(x, str):
+                        yield {"running": prep.cfg.mode, "text": x}
+                    else:
+                        results.append(x)
+        diff, ar = results
+        yield {"order": "sequential: diffusion first, then AR (one engine, one lock)",
                 "diffusion": summary_dict(diff), "ar": summary_dict(ar),
                 "speedup": diff.summary.tokens_per_second / max(ar.summary.tokens_per_second, 1e-9),
                 "nfe_ratio": ar.summary.nfe / max(diff.summary.nfe, 1)}
@@ -157,6 +191,17 @@ class Studio:
                 "seconds": round(s.seconds, 4), "stop_reason": s.stop_reason}
 
     def sweep(self, message: str, thresholds: list | None = None, block_sizes: list | None = None,
-              settings: dict | None = None) -> list[dict[str, Any]]:
-        """One prompt across thresholds × block sizes: tokens/s and tokens/forward of each run."""
-        return [self.sweep_row(p, self.run(p)) for p in self.sweep_plan(message, thresholds, block_sizes, settings)]
+              settings: dict | None = None) -> Iterator[list[dict[str, Any]]]:
+        """One prompt across thresholds × block sizes: tokens/s and tokens/forward of each run.
+
+        Yields the rows so far once per frame, last every run's row.
+        """
+        rows: list[dict[str, Any]] = []
+        for p in self.sweep_plan(message, thresholds, block_sizes, settings):
+            with closing(self.steps(p)) as steps:
+                for x in steps:
+                    if isinstance(x, str):
+                        yield list(rows)
+                    else:
+                        rows.append(self.sweep_row(p, x))
+        yield rows

@@ -77,7 +77,7 @@ class Decoder:
         out.append(Token(q - row.prompt_len, tok, self.tb.piece(tok), conf))
         if tok in self.stop_ids and (row.stop_at is None or q < row.stop_at):
             row.stop_at = q
-        if row.first_token_t is None:
+        if q == row.prompt_len:  # TTFT: the first answer token, the one streaming text can start with
             row.first_token_t = self._now()
 
     def _advance_text(self, row: Row) -> str:

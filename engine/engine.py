@@ -88,7 +88,8 @@ class Engine:
                 raise ConfigError("prompt", f"prompt {i} has {len(p)} tokens; the model's context is {self.max_context}")
             if cfg.max_new_tokens > room:
                 cfg = replace(cfg, max_new_tokens=room)
-        traces = [self._header(p, cfg, prompt_texts[i] if prompt_texts else None) for i, p in enumerate(ids)] if record else None
+        traces = [Trace(self.trace_header(p, cfg, prompt_texts[i] if prompt_texts else None))
+                  for i, p in enumerate(ids)] if record else None
 
         def on_event(e: Event) -> None:
             if traces is not None:
@@ -111,11 +112,10 @@ class Engine:
             results.append(Result(s, tr))
         return results
 
-    def _header(self, ids: list[int], cfg: DecodeConfig, prompt: str | None) -> Trace:
+    def trace_header(self, ids: list[int], cfg: DecodeConfig, prompt: str | None) -> dict[str, Any]:
+        """What a trace (and a live view, before its first event) needs to lay out and label a run."""
         lm = self.lm
-        return Trace(header={
-            "model": lm.name, "source": lm.source.reason, "adapter": bool(lm.source.adapter),
-            "device": lm.device.type, "dtype": str(lm.dtype).replace("torch.", ""),
-            "config": cfg.to_dict(), "prompt": prompt, "prompt_len": len(ids),
-            "mask_token_id": lm.mask_token_id,
-        })
+        return {"model": lm.name, "source": lm.source.reason, "adapter": bool(lm.source.adapter),
+                "device": lm.device.type, "dtype": str(lm.dtype).replace("torch.", ""),
+                "config": cfg.to_dict(), "prompt": prompt, "prompt_len": len(ids),
+                "mask_token_id": lm.mask_token_id}

@@ -26,7 +26,7 @@ class Event:
     kind: str  # prefill | step | commit | done
     row: int
     nfe: int  # forwards so far for this row, this one included
-    block: int  # absolute block index on the block grid (position // block_size)
+    block: int  # absolute block index of the active block; for 'commit', the block that starts next
     sub_block: int  # index of the active sub-block inside the block (-1 for AR / commit)
     committed: list[Token]  # positions committed by this forward
     masked: list[Token]  # still-masked positions of the active window: current best token + confidence

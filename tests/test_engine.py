@@ -77,8 +77,8 @@ def test_ar_greedy_matches_transformers_generate(engine):
 def test_cache_none_and_block_are_identical_dual_measured(engine):
     """The block cache is exact: none and block give the same greedy tokens. dual is an approximation."""
     agree = total = 0
-    for prompt in PROMPTS:
-        base = engine.decode_config(mode="diffusion", max_new_tokens=48, threshold=0.9)
+    for prompt in PROMPTS[1:]:
+        base = engine.decode_config(mode="diffusion", max_new_tokens=40, threshold=0.9)
         none = engine.generate(prompt, replace(base, cache="none"), record=False)[0].summary
         block = engine.generate(prompt, replace(base, cache="block"), record=False)[0].summary
         dual = engine.generate(prompt, replace(base, cache="dual"), record=False)[0].summary
@@ -91,7 +91,7 @@ def test_cache_none_and_block_are_identical_dual_measured(engine):
 
 
 def test_threshold_one_commits_exactly_one_token_per_step(engine):
-    cfg = engine.decode_config(mode="diffusion", threshold=1.0, max_new_tokens=40, cache="dual")
+    cfg = engine.decode_config(mode="diffusion", threshold=1.0, max_new_tokens=24, cache="dual")
     [res] = engine.generate(PROMPTS[1], cfg)
     for e in res.trace.events:
         if e.kind in ("prefill", "step"):
@@ -116,33 +116,40 @@ def test_lower_threshold_never_commits_fewer():
 
 
 def test_lower_threshold_more_tokens_per_forward(engine):
-    tpf = [engine.generate(PROMPTS[2], engine.decode_config(threshold=t, max_new_tokens=64), record=False)[0]
+    tpf = [engine.generate(PROMPTS[2], engine.decode_config(threshold=t, max_new_tokens=40), record=False)[0]
            .summary.tokens_per_forward for t in (1.0, 0.5)]
-    assert tpf[0] == pytest.approx(64 / 65, abs=0.1) or tpf[0] <= 1.0
+    assert tpf[0] <= 1.0  # commit forwards add a forward without a parallel token
     assert tpf[1] >= tpf[0]
 
 
-@pytest.mark.parametrize("cache", ["none", "block", "dual"])
-@pytest.mark.parametrize("prompt_len", [5, 31, 32, 64, 33])
+@pytest.mark.parametrize("prompt_len,cache", [
+    (5, "dual"), (15, "dual"), (16, "dual"), (32, "dual"), (17, "dual"),
+    (5, "block"), (16, "block"), (17, "block"), (16, "none"), (17, "none"),
+])
 def test_prompt_lengths_on_the_block_grid(engine, prompt_len, cache):
-    """Shorter than a block, exactly one, exact multiples, one over: every answer position once, in order."""
+    """Shorter than a block, one short, exactly one, a multiple, one over: every answer position once."""
     ids = engine.encode(" ".join(["hello"] * 80))[:prompt_len]
     assert len(ids) == prompt_len
     never = engine.lm.mask_token_id  # a stop id that is never committed: the answer runs to max_new_tokens
-    cfg = engine.decode_config(mode="diffusion", cache=cache, max_new_tokens=37, stop_token_ids=(never,))
+    n = 21  # crosses two block boundaries at block size 16
+    cfg = engine.decode_config(mode="diffusion", cache=cache, block_size=16, sub_block_size=4, max_new_tokens=n,
+                               stop_token_ids=(never,))
     [res] = engine.generate_ids([ids], cfg)
     pos = committed_positions(res.trace)
-    assert sorted(pos) == list(range(37)), "each answer position committed exactly once"
-    assert res.summary.answer_tokens == 37 and res.summary.stop_reason == "max_new_tokens"
+    assert sorted(pos) == list(range(n)), "each answer position committed exactly once"
+    assert res.summary.answer_tokens == n and res.summary.stop_reason == "max_new_tokens"
     assert never not in res.summary.token_ids, "the mask token is never committed"
     by_pos = {t.pos: t.id for e in res.trace.events for t in e.committed}
-    assert [by_pos[p] for p in range(37)] == res.summary.token_ids
+    assert [by_pos[p] for p in range(n)] == res.summary.token_ids
     assert res.trace.events[0].kind == "prefill" and res.trace.events[-1].kind == "done"
     assert [e.nfe for e in res.trace.events[:-1]] == list(range(1, res.summary.nfe + 1))
+    commits = [e for e in res.trace.events if e.kind == "commit"]
+    first_block_end = (prompt_len // 16 + 1) * 16
+    assert len(commits) == len(range(first_block_end, prompt_len + n, 16)), "one commit forward per finished block"
 
 
 def test_max_new_tokens_exact_and_stop_token(engine):
-    for n in (1, 3, 33):
+    for n in (1, 3, 17):
         [res] = engine.generate(PROMPTS[2], engine.decode_config(max_new_tokens=n))
         assert res.summary.answer_tokens <= n
         if res.summary.stop_reason == "max_new_tokens":
@@ -154,8 +161,8 @@ def test_max_new_tokens_exact_and_stop_token(engine):
 
 def test_batch_matches_single_rows(engine):
     """Prompts of different lengths in one batch decode as they do alone; finished rows leave the batch."""
-    for mode, cache in (("ar", "dual"), ("diffusion", "block"), ("diffusion", "dual")):
-        cfg = engine.decode_config(mode=mode, cache=cache, max_new_tokens=40)
+    for mode, cache in (("ar", "dual"), ("diffusion", "dual")):
+        cfg = engine.decode_config(mode=mode, cache=cache, max_new_tokens=24)
         batch = engine.generate(PROMPTS, cfg, record=False)
         single = [engine.generate(p, cfg, record=False)[0] for p in PROMPTS]
         agree = [sum(a == b for a, b in zip(x.summary.token_ids, y.summary.token_ids)) / max(len(y.summary.token_ids), 1)
@@ -186,13 +193,13 @@ def test_sampling_is_seeded(engine):
 
 
 def test_events_feed_heatmap_and_text(engine):
-    cfg = engine.decode_config(mode="diffusion", max_new_tokens=48, threshold=0.9, cache="block")
+    cfg = engine.decode_config(mode="diffusion", max_new_tokens=32, threshold=0.9, cache="block")
     [res] = engine.generate(PROMPTS[2], cfg)
     steps = [e for e in res.trace.events if e.kind in ("prefill", "step")]
     assert any(e.masked for e in steps), "masked positions carry their current best token and confidence"
     for e in steps:
         for t in e.masked + e.committed:
-            assert 0.0 <= t.conf <= 1.0 and 0 <= t.pos < 48
+            assert 0.0 <= t.conf <= 1.0 and 0 <= t.pos < 32
     assert "".join(e.text_delta for e in res.trace.events) == res.summary.text
     assert res.summary.tokens_per_forward == pytest.approx(res.summary.answer_tokens / res.summary.nfe)
 
