@@ -1,0 +1,125 @@
+"""Model sources: the Fast_dLLM_v2 checkpoint layout through the hub path, local dirs, errors, the GGUF cache."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from engine import Engine
+from engine.loading import ModelSourceError, bundled_base_dir, resolve_source
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture
+def offline_hub(tmp_path, monkeypatch, tiny_fast_dllm):
+    """A hub cache holding the tiny Fast_dLLM_v2 checkpoint under a hub id; network disabled."""
+    from checkpoints import put_in_hub_cache
+
+    cache = tmp_path / "hub"
+    put_in_hub_cache(tiny_fast_dllm, cache, "Efficient-Large-Model/Fast_dLLM_v2_tiny")
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    import huggingface_hub.constants as c
+
+    monkeypatch.setattr(c, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setattr(c, "HF_HUB_OFFLINE", True)
+    return cache
+
+
+def test_fast_dllm_checkpoint_loads_through_the_hub_path(offline_hub):
+    eng = Engine.load("Efficient-Large-Model/Fast_dLLM_v2_tiny", device="cpu")
+    lm = eng.lm
+    assert lm.source.kind == "hub" and "explicit" in lm.source.reason
+    assert lm.info["model_type"] == "Fast_dLLM_Qwen" and lm.info["bd_size"] == 32
+    assert lm.cfg.attention_bias and lm.cfg.tie_word_embeddings and lm.cfg.rope_theta == 1e6
+    assert lm.mask_token_id == lm.tokenizer.convert_tokens_to_ids("|<MASK>|") < lm.cfg.vocab_size
+    assert lm.dllm.lm_head.weight.data_ptr() == lm.dllm.model.embed_tokens.weight.data_ptr()
+    prompt = eng.chat_prompt([{"role": "user", "content": "hi"}])
+    assert prompt.startswith("<|im_start|>system\nYou are a helpful assistant.<|im_end|>")
+    never = lm.mask_token_id
+    for cache in ("none", "block", "dual"):
+        [res] = eng.generate("hi", eng.decode_config(cache=cache, max_new_tokens=40, stop_token_ids=(never,)))
+        assert res.summary.answer_tokens == 40
+        assert sorted(t.pos for e in res.trace.events for t in e.committed) == list(range(40))
+
+
+def test_local_directory_and_env(tiny_fast_dllm, monkeypatch):
+    monkeypatch.setenv("FASTDLLM_MODEL", str(tiny_fast_dllm))
+    src = resolve_source(None)
+    assert src.kind == "local" and src.reason == "env FASTDLLM_MODEL"
+    assert resolve_source(str(tiny_fast_dllm)).reason == "explicit (--model)"
+
+
+def test_offline_without_cache_names_the_bundled_default(tmp_path, monkeypatch):
+    import huggingface_hub.constants as c
+
+    monkeypatch.setattr(c, "HF_HUB_CACHE", str(tmp_path))
+    monkeypatch.setattr(c, "HF_HUB_OFFLINE", True)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(ModelSourceError, match="bundled default"):
+        resolve_source("Efficient-Large-Model/Fast_dLLM_v2_1.5B")
+    with pytest.raises(ModelSourceError, match="neither a local directory nor a hub id"):
+        resolve_source("no/such/thing")
+
+
+def test_bundled_default_without_env(monkeypatch):
+    monkeypatch.delenv("FASTDLLM_MODEL", raising=False)
+    src = resolve_source(None)
+    assert src.kind == "bundled" and src.reason == "bundled (offline default)"
+
+
+def test_gguf_conversion_is_cached():
+    """The dequantised base is written once; later loads read safetensors (timed in bench, not here)."""
+    path = bundled_base_dir()
+    before = (path / "model.safetensors").stat().st_mtime_ns
+    assert bundled_base_dir() == path and (path / "model.safetensors").stat().st_mtime_ns == before
+    cfg = json.loads((path / "config.json").read_text())
+    assert cfg["model_type"] == "llama" and "quantization_config" not in cfg
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(path))
+    assert tok.eos_token == "<|im_end|>" and tok.pad_token == "<|endoftext|>"
+    assert tok.encode("hello", add_special_tokens=True) == tok.encode("hello", add_special_tokens=False)
+
+
+def _cli(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": ROOT}
+    return subprocess.run([sys.executable, "-m", "engine", *args], input=stdin, capture_output=True, text=True,
+                          env=env, cwd=ROOT, timeout=600)
+
+
+def test_cli_generate_json(tmp_path):
+    trace = tmp_path / "t.json"
+    r = _cli("generate", "--prompt", "What is 2 + 2?", "--json", "--max-new-tokens", "16", "--trace", str(trace))
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    for key in ("text", "tokens", "nfe", "tokens_per_forward", "seconds", "tokens_per_second", "mode", "cache", "model"):
+        assert key in out
+    assert out["tokens"] <= 16 and out["tokens_per_forward"] == pytest.approx(out["tokens"] / out["nfe"])
+    assert json.loads(trace.read_text())["summary"]["answer_tokens"] == out["tokens"]
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["generate", "--prompt", "hi", "--sub-block-size", "5"], "sub_block_size: must divide block_size=32"),
+    (["generate", "--prompt", "hi", "--threshold", "0"], "threshold"),
+    (["generate", "--prompt", "hi", "--cache", "disk"], "--cache"),
+    (["generate", "--prompt", "   "], "prompt"),
+    (["generate", "--prompt", "hi", "--model", "/no/such/dir/x"], "model"),
+])
+def test_cli_bad_arguments_one_line_no_traceback(args, needle):
+    r = _cli(*args)
+    assert r.returncode != 0
+    assert needle in r.stderr and "Traceback" not in r.stderr
+    assert len([ln for ln in r.stderr.splitlines() if ln.strip()]) == 1
+
+
+def test_cli_chat_multi_turn():
+    r = _cli("chat", "--max-new-tokens", "8", stdin="hello\n\n   \nclear\nwhat is 1+1?\nexit\n")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.count("bot> ") == 2, "empty input is ignored, each message answered once"
+    assert "(conversation cleared)" in r.stderr and "Traceback" not in r.stderr
