@@ -5,29 +5,43 @@ html.escape here, and the browser-side renderer (static/studio.js) only ever use
 """
 from __future__ import annotations
 
+import functools
 import html
 import json
 import re
 from dataclasses import asdict
 from typing import Any
 
+from markdown_it import MarkdownIt
+
 from engine import Event, Summary
 
 _FENCE = re.compile(r"(```.*?(?:```|$)|`[^`\n]*`)", re.S)
+_MD = MarkdownIt("commonmark")  # raw HTML on, as in the chatbot's markdown renderer
 
 
 def esc(value: Any) -> str:
     return html.escape(str(value), quote=True)
 
 
+def _raw_html(markdown: str) -> bool:
+    """Whether a CommonMark renderer would pass some of this text through as raw HTML."""
+    return any(t.type == "html_block" or any(c.type == "html_inline" for c in t.children or ())
+               for t in _MD.parse(markdown))
+
+
+@functools.lru_cache(maxsize=1024)  # the chat re-renders every finished message on each frame
 def escape_chat(text: str) -> str:
     """Markdown for the chat bubble with any HTML in the model's prose shown as text, not rendered.
 
     Code spans and fenced blocks are left alone: the markdown renderer already shows their content
-    literally (escaping them too would print '&lt;' inside code).
+    literally (escaping them too would print '&lt;' inside code). Where the split above disagrees
+    with markdown (a backslash before a backtick, unequal backtick runs, a fence opened mid-line),
+    raw HTML would survive it: then everything is escaped, code included.
     """
     parts = _FENCE.split(text)
-    return "".join(p if i % 2 else esc(p) for i, p in enumerate(parts))
+    out = "".join(p if i % 2 else esc(p) for i, p in enumerate(parts))
+    return esc(text) if _raw_html(out) else out
 
 
 def chat_display(convo: list[dict[str, str]]) -> list[dict[str, str]]:

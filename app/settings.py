@@ -75,6 +75,7 @@ def to_config(engine: Any, settings: dict[str, Any] | None, **overrides: Any) ->
     unknown = sorted(set(s) - known)
     if unknown:
         raise ConfigError(unknown[0], f"unknown setting; known: {', '.join(sorted(known | {'system_prompt'}))}")
+    s.setdefault("mode", "diffusion" if engine.can_diffuse else "ar")  # the app's default, as /info says
     s.update(overrides)
     for k in ("block_size", "sub_block_size", "max_new_tokens", "seed"):
         if k in s:

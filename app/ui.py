@@ -3,10 +3,12 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import tempfile
 import threading
 import uuid
 from collections import OrderedDict
+from contextlib import closing
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +25,7 @@ from .traces import MAX_TRACE_BYTES, TraceError, parse_trace, trace_label
 
 STATIC = Path(__file__).resolve().parent.parent / "static"
 MAX_SESSION_TRACES = 24
+QUEUE_SIZE = 16  # requests waiting for the engine (FASTDLLM_QUEUE_SIZE); one more is refused at once
 ENGINE = dict(concurrency_id="engine", concurrency_limit=1)
 EXAMPLES = ["What is the capital of France?", "Write a haiku about the sea.",
             "List three uses for a paperclip.", "Explain in two sentences why the sky is blue."]
@@ -261,14 +264,16 @@ def build(studio: Studio) -> gr.Blocks:
                    view: render.live_payload(run, 0, [], header=studio.header(prep))}
             yield out
             try:
-                for events, res in studio.stream(prep, key):
-                    result = res or result
-                    if not events:
-                        continue
-                    LIVE_RUNS.extend(run, events)
-                    frame += 1
-                    yield {**(extra(events) if extra else {}), view: render.live_payload(run, seq, events, frame=frame)}
-                    seq += len(events)
+                with closing(studio.stream(prep, key)) as frames:  # closed (tab gone): the engine stops
+                    for events, res in frames:
+                        result = res or result
+                        if not events:
+                            continue
+                        LIVE_RUNS.extend(run, events)
+                        frame += 1
+                        yield {**(extra(events) if extra else {}),
+                               view: render.live_payload(run, seq, events, frame=frame)}
+                        seq += len(events)
             except ConfigError as e:
                 raise _error(e) from None
             except Exception as e:  # an engine failure: say so; the conversation is kept
@@ -394,11 +399,19 @@ def build(studio: Studio) -> gr.Blocks:
             rows: list[dict] = []
             yield {sweep_btn: gr.update(interactive=False, value=f"Running 0/{len(plan)}…")}
             for i, prep in enumerate(plan):
-                flag = cancel_event(key)
+                flag, res = cancel_event(key), None
                 try:
-                    res = studio.run(prep, key)
+                    with closing(studio.steps(prep, key)) as steps:
+                        for x in steps:
+                            if isinstance(x, Result):
+                                res = x
+                            else:  # an empty frame: a closed tab ends the generator here, within one forward
+                                yield gr.skip()
+                except Exception as e:
+                    raise gr.Error(f"decoding failed: {e}") from e
                 finally:
                     release(key, flag)
+                assert res is not None
                 if res.summary.stop_reason == "cancelled":
                     break
                 rows.append(studio.sweep_row(prep, res))
@@ -417,20 +430,39 @@ def build(studio: Studio) -> gr.Blocks:
                     return fn(*args)
                 except (ConfigError, TraceError) as e:
                     raise _error(e) from None
+                except Exception as e:  # a bug or an engine failure: a message, not Gradio's opaque "Error"
+                    raise gr.Error(f"{fn.__name__} failed: {e}") from e
             return call
 
+        def streamed(fn):
+            """A decoding endpoint as a generator: Gradio closes it when the client cancels (job.cancel()) or
+            disconnects, and closing stops the engine after its current forward (no orphan work)."""
+            @functools.wraps(fn)
+            def call(*args: Any) -> Any:
+                try:
+                    yield from fn(*args)
+                except (ConfigError, TraceError) as e:
+                    raise _error(e) from None
+                except Exception as e:  # an engine failure mid-generation: say so; the next request works
+                    raise gr.Error(f"decoding failed: {e}") from e
+            return call
+
+        # The return annotations give Gradio the outputs (and the API docs); each endpoint yields such a value
+        # once per frame (the answer so far) and the final result last, which is what Client.predict returns.
         def generate(message: str, history: list, settings: dict) -> tuple[str, str]:
             """Answer one chat turn. history: [{role, content}]; settings: decoding settings (see /info).
-            Returns (answer text, trace JSON)."""
-            return studio.generate(message, history, settings)
+            Returns (answer text, trace JSON); streams (answer so far, "") while decoding."""
+            yield from studio.generate(message, history, settings)
 
         def race_api(message: str, settings: dict) -> dict:
-            """Decode one prompt by block diffusion, then by the AR baseline; both summaries and the speed-up."""
-            return studio.race(message, settings)
+            """Decode one prompt by block diffusion, then by the AR baseline; both summaries and the speed-up.
+            Streams {running, text} while decoding."""
+            yield from studio.race(message, settings)
 
         def sweep_api(message: str, thresholds: list, block_sizes: list, settings: dict) -> list:
-            """One prompt across thresholds × block sizes: tokens/s and tokens/forward per run."""
-            return studio.sweep(message, thresholds, block_sizes, settings)
+            """One prompt across thresholds × block sizes: tokens/s and tokens/forward per run (streams the
+            rows so far)."""
+            yield from studio.sweep(message, thresholds, block_sizes, settings)
 
         def check_trace(trace_json: str) -> dict:
             """Validate a trace JSON as the replay upload does; returns its header and summary."""
@@ -443,12 +475,25 @@ def build(studio: Studio) -> gr.Blocks:
             return {"banner": lm.banner(), "can_diffuse": eng.can_diffuse, "defaults": d,
                     "block_sizes": list(BLOCK_SIZES), "settings_help": INFO}
 
-        gr.api(api(generate), api_name="generate", **ENGINE)
-        gr.api(api(race_api), api_name="race", **ENGINE)
-        gr.api(api(sweep_api), api_name="sweep", **ENGINE)
+        gr.api(streamed(generate), api_name="generate", **ENGINE)
+        gr.api(streamed(race_api), api_name="race", **ENGINE)
+        gr.api(streamed(sweep_api), api_name="sweep", **ENGINE)
         gr.api(api(check_trace), api_name="check_trace")
         gr.api(info, api_name="info")
     return demo
+
+
+def queue_kwargs(max_size: int | None = None) -> dict[str, Any]:
+    """The queue's bound: `max_size` requests may wait (else FASTDLLM_QUEUE_SIZE, else QUEUE_SIZE); one more is
+    refused at once with Gradio's "queue is full" / "currently busy" message. Waiting clients see their position."""
+    if max_size is None:
+        raw = os.environ.get("FASTDLLM_QUEUE_SIZE", "").strip() or str(QUEUE_SIZE)
+        if not raw.isdigit():
+            raise ValueError(f"FASTDLLM_QUEUE_SIZE must be a positive integer (got {raw!r})")
+        max_size = int(raw)
+    if max_size < 1:
+        raise ValueError(f"the queue size must be at least 1 (got {max_size})")
+    return {"max_size": max_size}
 
 
 def launch_kwargs() -> dict[str, Any]:
