@@ -1,0 +1,148 @@
+"""python -m training {distill,train,export,eval}: make the bundled Fast-dLLM v2 adapter.
+
+Typical run (CPU, the bundled SmolLM2-135M base):
+  python -m training distill --limit 800 --time-budget 900
+  python -m training train --run runs/train --minutes 30
+  python -m training export --run runs/train
+  python -m training eval --out runs/eval.json
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+DATA = Path(__file__).resolve().parent / "data"
+ASSETS = Path(__file__).resolve().parent.parent / "assets"
+
+
+def _threads(n: int) -> None:
+    # On a CPU shared with other jobs, 1 thread beats 2: OpenMP barriers stall when a core is taken.
+    torch.set_num_threads(n)
+
+
+def cmd_distill(a: argparse.Namespace) -> None:
+    from .distill import DistillConfig, distill
+
+    _threads(a.threads)
+    distill(DistillConfig(prompts=a.prompts, out=a.out, model=a.model, limit=a.limit, batch_size=a.batch_size,
+                          max_new_tokens=a.max_new_tokens, time_budget_s=a.time_budget))
+
+
+def cmd_train(a: argparse.Namespace) -> None:
+    from .train import TrainConfig, train
+
+    _threads(a.threads)
+    cfg = TrainConfig(
+        data=a.data, run=a.run, model=a.model, recipe=a.recipe, block_size=a.block_size, max_len=a.max_len,
+        keep_truncated=not a.drop_truncated, rank=a.rank, alpha=a.alpha, train_norms=a.train_norms,
+        lr=a.lr, weight_decay=a.weight_decay, warmup_steps=a.warmup_steps, min_lr_ratio=a.min_lr_ratio,
+        epochs=a.epochs, batch_size=a.batch_size, grad_clip=a.grad_clip, bf16=not a.fp32, seed=a.seed,
+        save_every_s=a.save_every_s, save_every_steps=a.save_every_steps, max_steps=a.max_steps,
+        minutes=a.minutes, limit=a.limit, val_size=a.val_size)
+    train(cfg)
+
+
+def cmd_export(a: argparse.Namespace) -> None:
+    from .export import export, merge
+
+    print(export(a.run, a.out, checkpoint=a.checkpoint))
+    if a.merge_to is not None:
+        print(f"merged checkpoint: {merge(a.out, a.base, a.merge_to)}")
+
+
+def cmd_eval(a: argparse.Namespace) -> None:
+    import json
+
+    from .evaluate import EvalConfig, evaluate
+
+    _threads(a.threads)
+    print(json.dumps(evaluate(EvalConfig(model=a.model, short=a.short, long=a.long, max_new_tokens=a.max_new_tokens,
+                                         short_max_new_tokens=a.short_max_new_tokens,
+                                         threshold=a.threshold, batch_size=a.batch_size, out=a.out)), indent=1))
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m training", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="cmd", required=True)
+    fmt = argparse.ArgumentDefaultsHelpFormatter
+
+    d = sub.add_parser("distill", formatter_class=fmt,
+                       help="answer the training prompts with the AR base (greedy) -> chat JSONL")
+    d.add_argument("--prompts", type=Path, default=DATA / "prompts.jsonl", help='JSONL of {"prompt": ...}')
+    d.add_argument("--out", type=Path, default=DATA / "distill.jsonl",
+                   help="chat JSONL to append to; prompts already in it are skipped (resumable)")
+    d.add_argument("--model", default="bundled-base", help="engine model spec of the AR teacher")
+    d.add_argument("--limit", type=int, default=None, help="use only the first N prompts of the file")
+    d.add_argument("--batch-size", type=int, default=32, help="prompts decoded together")
+    d.add_argument("--max-new-tokens", type=int, default=160, help="answer length cap")
+    d.add_argument("--time-budget", type=float, default=None, help="stop after this many seconds (resume later)")
+    d.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    d.set_defaults(func=cmd_distill)
+
+    t = sub.add_parser("train", formatter_class=fmt, help="LoRA fine-tuning with the Fast-dLLM v2 recipe")
+    t.add_argument("--data", type=Path, default=DATA / "distill.jsonl", help="chat JSONL (user/assistant turns)")
+    t.add_argument("--run", type=Path, default=Path("runs/train"), help="run directory: checkpoints, log; resumes if present")
+    t.add_argument("--model", default="bundled-base", help="engine model spec of the AR base to adapt")
+    t.add_argument("--recipe", choices=("naive", "pad", "full"), default="full",
+                   help="paper ablation: naive token shift / + pad to block boundary / + complementary masks")
+    t.add_argument("--block-size", type=int, default=32, help="diffusion block size")
+    t.add_argument("--max-len", type=int, default=256, help="prompt+answer tokens kept (multiple of block size)")
+    t.add_argument("--drop-truncated", action="store_true",
+                   help="skip answers the teacher cut at max_new_tokens (default: keep them, without a stop token)")
+    t.add_argument("--rank", type=int, default=32, help="LoRA rank")
+    t.add_argument("--alpha", type=float, default=64.0, help="LoRA alpha (scale = alpha / rank)")
+    t.add_argument("--train-norms", action="store_true", help="also train the RMSNorm weights")
+    t.add_argument("--lr", type=float, default=3e-4, help="peak learning rate (AdamW)")
+    t.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay")
+    t.add_argument("--warmup-steps", type=int, default=10, help="linear warm-up steps")
+    t.add_argument("--min-lr-ratio", type=float, default=0.1, help="cosine decay floor, fraction of --lr")
+    t.add_argument("--epochs", type=float, default=2.0, help="passes over the data (sets the schedule length)")
+    t.add_argument("--batch-size", type=int, default=4, help="sequences per optimiser step")
+    t.add_argument("--grad-clip", type=float, default=1.0, help="gradient norm clip")
+    t.add_argument("--fp32", action="store_true", help="no bf16 autocast")
+    t.add_argument("--seed", type=int, default=0, help="seeds data order, masks and LoRA init")
+    t.add_argument("--save-every-s", type=float, default=240.0, help="checkpoint at least this often (seconds)")
+    t.add_argument("--save-every-steps", type=int, default=0, help="also checkpoint every N steps (0: off)")
+    t.add_argument("--max-steps", type=int, default=None, help="stop this process after this global step")
+    t.add_argument("--minutes", type=float, default=None, help="stop this process after this wall time (resume later)")
+    t.add_argument("--limit", type=int, default=None, help="use only the first N training examples")
+    t.add_argument("--val-size", type=int, default=0, help="hold out N examples; their loss is logged at each checkpoint")
+    t.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    t.set_defaults(func=cmd_train)
+
+    e = sub.add_parser("export", formatter_class=fmt, help="write the adapter the engine loads from a checkpoint")
+    e.add_argument("--run", type=Path, default=Path("runs/train"), help="run directory")
+    e.add_argument("--checkpoint", type=Path, default=None, help="a specific checkpoint file (default: latest)")
+    e.add_argument("--out", type=Path, default=ASSETS / "fastdllm_adapter.safetensors", help="adapter file")
+    e.add_argument("--merge-to", type=Path, default=None,
+                   help="also write base + adapter merged as a checkpoint directory (for models other than the "
+                        "bundled base, which the engine loads with --model DIR)")
+    e.add_argument("--base", default="bundled-base", help="engine model spec of the base, for --merge-to")
+    e.set_defaults(func=cmd_export)
+
+    v = sub.add_parser("eval", formatter_class=fmt,
+                       help="quick check: short-answer accuracy AR vs diffusion, tokens per forward")
+    v.add_argument("--model", default=None, help="engine model spec (default: bundled base + assets adapter)")
+    v.add_argument("--short", type=int, default=40, help="items of bench/data/eval_short.jsonl (spread over the file)")
+    v.add_argument("--long", type=int, default=10, help="prompts of bench/data/long_answer.jsonl")
+    v.add_argument("--max-new-tokens", type=int, default=128, help="answer length cap, long-answer prompts")
+    v.add_argument("--short-max-new-tokens", type=int, default=64, help="answer length cap, short-answer items")
+    v.add_argument("--threshold", type=float, default=0.9, help="diffusion confidence threshold")
+    v.add_argument("--batch-size", type=int, default=8, help="prompts decoded together")
+    v.add_argument("--out", type=Path, default=None, help="write the report as JSON here")
+    v.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    v.set_defaults(func=cmd_eval)
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    a = parser().parse_args(argv)
+    a.func(a)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,66 @@
+"""Checkpoint -> the adapter file the engine loads (engine.loading.apply_adapter's format)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from engine.loading import save_adapter
+
+from .lora import adapter_tensors
+from .train import latest_checkpoint
+
+
+def export(run: Path, out: Path, checkpoint: Path | None = None) -> dict:
+    """Write LoRA A/B (bf16), trained norms and the mask-token row; returns the metadata written."""
+    ckpt = checkpoint or latest_checkpoint(run)
+    if ckpt is None or not ckpt.exists():
+        raise FileNotFoundError(f"no checkpoint in {run} (train first: python -m training train --run {run})")
+    sd = torch.load(ckpt, weights_only=False)
+    cfg = sd["config"]
+    lora, sets, new_rows = adapter_tensors(sd["trainable"])
+    if new_rows is not None and sd["mask_id"] < sd["base_vocab"]:
+        # a spare row of a padded embedding (Qwen2.5): the format can only replace the whole matrix
+        from engine.loading import read_state_dict, resolve_source
+
+        emb = read_state_dict(resolve_source(cfg["model"]).path)["model.embed_tokens.weight"].float().clone()
+        emb[sd["mask_id"]:sd["mask_id"] + new_rows.shape[0]] = new_rows.float()
+        sets["model.embed_tokens.weight"], new_rows = emb, None
+    hist = sd["history"]
+    head = [h["loss"] for h in hist[:10]]
+    tail = [h["loss"] for h in hist[-10:]]
+    meta = {
+        "base": str(cfg.get("model")), "recipe": cfg["recipe"], "block_size": str(cfg["block_size"]),
+        "rank": str(cfg["rank"]), "alpha": str(cfg["alpha"]), "lr": str(cfg["lr"]),
+        "step": str(sd["step"]), "total_steps": str(sd["total_steps"]), "tokens_seen": str(sd["tokens_seen"]),
+        "train_examples": str(sd["num_examples"]), "train_seconds": str(round(sd["elapsed"], 1)),
+        "loss_first10": f"{sum(head) / max(len(head), 1):.4f}", "loss_last10": f"{sum(tail) / max(len(tail), 1):.4f}",
+        "checkpoint": ckpt.name,
+    }
+    save_adapter(out, lora=lora, sets=sets, new_embed_rows=new_rows, lora_scale=cfg["alpha"] / cfg["rank"], meta=meta)
+    meta["file"] = str(out)
+    meta["megabytes"] = f"{out.stat().st_size / 1e6:.1f}"
+    return json.loads(json.dumps(meta))
+
+
+def merge(adapter: Path, base_spec: str, out_dir: Path) -> Path:
+    """Base + adapter merged into a plain checkpoint directory that `--model out_dir` loads.
+
+    The engine applies adapters only to the bundled base; any other adapted model ships merged.
+    """
+    from safetensors.torch import save_file
+
+    from engine.loading import apply_adapter, build_model, load_tokenizer, resolve_source
+
+    src = resolve_source(base_spec)
+    model = apply_adapter(build_model(src.path, torch.device("cpu"), torch.float32), adapter)
+    state = {k: v.contiguous() for k, v in model.state_dict().items()
+             if not (model.cfg.tie_word_embeddings and k == "lm_head.weight")}
+    out_dir.mkdir(parents=True, exist_ok=True)
+    save_file(state, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    cfg = json.loads((src.path / "config.json").read_text())
+    cfg.update(vocab_size=model.cfg.vocab_size, bd_size=model.cfg.bd_size)
+    (out_dir / "config.json").write_text(json.dumps(cfg, indent=1))
+    load_tokenizer(src.path, add_mask_token=True).save_pretrained(str(out_dir))
+    return out_dir

@@ -1,0 +1,277 @@
+"""The training loop: AdamW + warm-up/cosine, bf16 autocast, checkpoints that resume exactly.
+
+Exact resume: the data order of an epoch is a permutation drawn from (seed, epoch) alone, the noise has
+its own generator whose state is checkpointed, and a checkpoint holds the trainable tensors, AdamW and
+scheduler states, RNG states and the data position. Same threads + same data -> the same run.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+from tqdm import tqdm
+
+from .data import Example
+from .recipe import RECIPES, Batch, batch_loss, build_batch, draw_noise
+from .lora import add_adapter, trainable_state
+
+
+@dataclass
+class TrainConfig:
+    data: Path | None = None
+    run: Path = Path("runs/train")
+    model: str = "bundled-base"
+    recipe: str = "full"
+    block_size: int = 32
+    max_len: int = 256
+    keep_truncated: bool = True
+    rank: int = 32
+    alpha: float = 64.0
+    train_norms: bool = False
+    lr: float = 3e-4
+    weight_decay: float = 0.0
+    warmup_steps: int = 10
+    min_lr_ratio: float = 0.1
+    epochs: float = 2.0
+    batch_size: int = 4
+    grad_clip: float = 1.0
+    bf16: bool = True
+    seed: int = 0
+    save_every_s: float = 240.0
+    save_every_steps: int = 0
+    max_steps: int | None = None  # stop this process at this global step
+    minutes: float | None = None  # stop this process after this wall time
+    limit: int | None = None
+    val_size: int = 0
+    progress: bool = True
+    extra: dict = field(default_factory=dict)  # recorded in checkpoints and the adapter's metadata
+
+    def __post_init__(self) -> None:
+        if self.recipe not in RECIPES:
+            raise ValueError(f"recipe must be one of {RECIPES} (got {self.recipe!r})")
+        if self.max_len % self.block_size:
+            raise ValueError(f"max_len ({self.max_len}) must be a multiple of block_size ({self.block_size})")
+
+
+def lr_factor(step: int, warmup: int, total: int, floor: float) -> float:
+    """Linear warm-up to 1, then cosine down to `floor` at `total` steps."""
+    if step < warmup:
+        return (step + 1) / warmup
+    frac = min(1.0, (step - warmup) / max(1, total - warmup))
+    return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * frac))
+
+
+class Trainer:
+    """Owns the model's trainable part, the optimiser and the data position."""
+
+    def __init__(self, cfg: TrainConfig, model: nn.Module, examples: list[Example], mask_id: int, pad_id: int,
+                 val: list[Example] | None = None):
+        self.cfg, self.model, self.examples, self.val = cfg, model, examples, val or []
+        self.mask_id, self.pad_id = mask_id, pad_id
+        self.base_vocab = model.model.embed_tokens.num_embeddings
+        self.names = add_adapter(model, cfg.rank, cfg.alpha, cfg.seed, cfg.train_norms, new_token_id=mask_id)
+        self.params = [p for n, p in model.named_parameters() if p.requires_grad]
+        self.opt = torch.optim.AdamW(self.params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.99))
+        self.steps_per_epoch = max(1, len(examples) // cfg.batch_size)
+        self.total_steps = max(1, math.ceil(cfg.epochs * self.steps_per_epoch))
+        self.sched = torch.optim.lr_scheduler.LambdaLR(
+            self.opt, lambda s: lr_factor(s, cfg.warmup_steps, self.total_steps, cfg.min_lr_ratio))
+        self.noise_gen = torch.Generator().manual_seed(cfg.seed + 1)
+        self.step = 0
+        self.tokens_seen = 0  # prompt + answer tokens of the sequences trained on
+        self.loss_tokens = 0
+        self.elapsed = 0.0  # training wall time over all processes of this run
+        self.history: list[dict] = []
+
+    # ------------------------------------------------------------------ data
+    def order(self, epoch: int) -> list[int]:
+        g = torch.Generator().manual_seed(self.cfg.seed * 1_000_003 + epoch)
+        return torch.randperm(len(self.examples), generator=g).tolist()
+
+    def next_batch(self) -> Batch:
+        epoch, k = divmod(self.step, self.steps_per_epoch)
+        idx = self.order(epoch)[k * self.cfg.batch_size:(k + 1) * self.cfg.batch_size]
+        exs = [self.examples[i] for i in idx]
+        noise = [draw_noise(ex, self.cfg.block_size, self.noise_gen) for ex in exs]
+        return build_batch(exs, noise, recipe=self.cfg.recipe, block_size=self.cfg.block_size,
+                           mask_id=self.mask_id, pad_id=self.pad_id)
+
+    def autocast(self):
+        return torch.autocast("cpu" if self.device.type == "cpu" else self.device.type, dtype=torch.bfloat16,
+                              enabled=self.cfg.bf16)
+
+    @property
+    def device(self) -> torch.device:
+        return self.params[0].device
+
+    # ------------------------------------------------------------------ one step
+    def train_step(self) -> dict:
+        self.model.train()
+        batch = self.next_batch()
+        b = _to(batch, self.device)
+        with self.autocast():
+            loss = batch_loss(self.model, b)
+        self.opt.zero_grad(set_to_none=True)
+        loss.backward()
+        gnorm = torch.nn.utils.clip_grad_norm_(self.params, self.cfg.grad_clip)
+        lr = self.opt.param_groups[0]["lr"]
+        self.opt.step()
+        self.sched.step()
+        self.step += 1
+        self.tokens_seen += batch.seq_tokens
+        self.loss_tokens += batch.loss_tokens
+        rec = {"step": self.step, "loss": round(loss.item(), 5), "lr": lr, "grad_norm": round(float(gnorm), 4),
+               "seq_tokens": batch.seq_tokens, "forward_tokens": int(batch.ids.numel()),
+               "loss_tokens": batch.loss_tokens, "tokens_seen": self.tokens_seen}
+        self.history.append(rec)
+        return rec
+
+    @torch.no_grad()
+    def val_loss(self) -> float | None:
+        """Loss on held-out examples with fixed noise (comparable across checkpoints)."""
+        if not self.val:
+            return None
+        self.model.eval()
+        gen = torch.Generator().manual_seed(12345)
+        total, count = 0.0, 0
+        for i in range(0, len(self.val), self.cfg.batch_size):
+            exs = self.val[i:i + self.cfg.batch_size]
+            noise = [draw_noise(ex, self.cfg.block_size, gen) for ex in exs]
+            batch = build_batch(exs, noise, recipe=self.cfg.recipe, block_size=self.cfg.block_size,
+                                mask_id=self.mask_id, pad_id=self.pad_id)
+            with self.autocast():
+                total += batch_loss(self.model, _to(batch, self.device)).item() * batch.loss_tokens
+            count += batch.loss_tokens
+        return total / max(count, 1)
+
+    # ------------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict:
+        return {"trainable": trainable_state(self.model), "optimizer": self.opt.state_dict(),
+                "scheduler": self.sched.state_dict(), "step": self.step, "tokens_seen": self.tokens_seen,
+                "loss_tokens": self.loss_tokens, "elapsed": self.elapsed, "history": self.history,
+                "rng": {"noise": self.noise_gen.get_state(), "torch": torch.get_rng_state(),
+                        "python": random.getstate()},
+                "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(self.cfg).items()},
+                "total_steps": self.total_steps, "num_examples": len(self.examples),
+                "mask_id": self.mask_id, "base_vocab": self.base_vocab}
+
+    def load_state_dict(self, sd: dict) -> None:
+        if sd["num_examples"] != len(self.examples):
+            raise ValueError(f"checkpoint was trained on {sd['num_examples']} examples, the data now has "
+                             f"{len(self.examples)}: an exact resume needs the same data")
+        params = dict(self.model.named_parameters())
+        with torch.no_grad():
+            for n, t in sd["trainable"].items():
+                params[n].copy_(t)
+        self.opt.load_state_dict(sd["optimizer"])
+        self.sched.load_state_dict(sd["scheduler"])
+        self.step, self.tokens_seen, self.loss_tokens = sd["step"], sd["tokens_seen"], sd["loss_tokens"]
+        self.elapsed, self.history = sd["elapsed"], list(sd["history"])
+        self.noise_gen.set_state(sd["rng"]["noise"])
+        torch.set_rng_state(sd["rng"]["torch"])
+        random.setstate(sd["rng"]["python"])
+
+    def save(self, run: Path, keep: int = 2) -> Path:
+        """Atomic write of ckpt-<step>.pt, then `latest` points at it; older ones beyond `keep` go."""
+        run.mkdir(parents=True, exist_ok=True)
+        path = run / f"ckpt-{self.step:06d}.pt"
+        tmp = path.with_suffix(".tmp")
+        torch.save(self.state_dict(), tmp)
+        os.replace(tmp, path)
+        (run / "latest.tmp").write_text(path.name)
+        os.replace(run / "latest.tmp", run / "latest")
+        for old in sorted(run.glob("ckpt-*.pt"))[:-keep]:
+            old.unlink()
+        return path
+
+    # ------------------------------------------------------------------ loop
+    def run(self, run: Path) -> None:
+        cfg = self.cfg
+        stop_at = min(self.total_steps, cfg.max_steps if cfg.max_steps is not None else self.total_steps)
+        t_start = time.perf_counter()
+        last_save = t_start
+        tok0, t_seg = self.tokens_seen, t_start
+        run.mkdir(parents=True, exist_ok=True)
+        log = (run / "log.jsonl").open("a")
+        bar = tqdm(total=self.total_steps, initial=self.step, desc="train", unit="step", dynamic_ncols=True,
+                   disable=not cfg.progress, mininterval=5.0)
+        ema = None
+        while self.step < stop_at:
+            t0 = time.perf_counter()
+            rec = self.train_step()
+            now = time.perf_counter()
+            self.elapsed += now - t0
+            rec["elapsed_s"] = round(self.elapsed, 1)
+            ema = rec["loss"] if ema is None else 0.9 * ema + 0.1 * rec["loss"]
+            tok_s = (self.tokens_seen - tok0) / max(now - t_seg, 1e-9)
+            log.write(json.dumps(rec) + "\n")
+            log.flush()
+            bar.update(1)
+            bar.set_postfix(loss=f"{ema:.3f}", tok_s=f"{tok_s:.0f}", lr=f"{rec['lr']:.1e}")
+            out_of_time = cfg.minutes is not None and now - t_start > cfg.minutes * 60
+            due = now - last_save > cfg.save_every_s or (cfg.save_every_steps and self.step % cfg.save_every_steps == 0)
+            if due or out_of_time or self.step >= stop_at:
+                vl = self.val_loss()
+                path = self.save(run)
+                if vl is not None:
+                    log.write(json.dumps({"step": self.step, "val_loss": round(vl, 5)}) + "\n")
+                    log.flush()
+                bar.write(f"step {self.step}: saved {path}" + (f" (val loss {vl:.4f})" if vl is not None else ""))
+                last_save = time.perf_counter()
+            if out_of_time:
+                break
+        bar.close()
+        log.close()
+
+
+def _to(batch: Batch, device: torch.device) -> Batch:
+    if device.type == "cpu":
+        return batch
+    return Batch(batch.ids.to(device), batch.pos.to(device), batch.mask.to(device), batch.logits_idx.to(device),
+                 batch.targets.to(device), batch.views, batch.length, batch.seq_tokens, batch.loss_tokens)
+
+
+def latest_checkpoint(run: Path) -> Path | None:
+    ptr = run / "latest"
+    return run / ptr.read_text().strip() if ptr.exists() else None
+
+
+def train(cfg: TrainConfig) -> Trainer:
+    """Load the base and data, resume from the run directory when it has a checkpoint, train."""
+    from engine.loading import load_tokenizer, resolve_source, build_model
+    from .data import load_examples
+
+    source = resolve_source(cfg.model)
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    model = build_model(source.path, dev, torch.float32)
+    tok = load_tokenizer(source.path, add_mask_token=True)
+    vocab = tok.get_vocab()
+    mask_id, stop_id = vocab["|<MASK>|"], vocab["<|im_end|>"]
+    if mask_id > model.cfg.vocab_size:
+        raise ValueError(f"mask token id {mask_id} leaves a gap after the {model.cfg.vocab_size} embedding rows")
+    pad_id = tok.pad_token_id if tok.pad_token_id is not None else stop_id
+    examples, stats = load_examples(cfg.data, tok, stop_id, cfg.max_len, cfg.keep_truncated)
+    if cfg.limit is not None:
+        examples = examples[:cfg.limit]
+    val = examples[len(examples) - cfg.val_size:] if cfg.val_size else []
+    examples = examples[:len(examples) - cfg.val_size] if cfg.val_size else examples
+    cfg.extra = {"base": source.spec, "data": str(cfg.data), "data_stats": stats,
+                 "train_examples": len(examples), "val_examples": len(val)}
+    trainer = Trainer(cfg, model, examples, mask_id, pad_id, val)
+    ckpt = latest_checkpoint(cfg.run)
+    if ckpt is not None:
+        trainer.load_state_dict(torch.load(ckpt, weights_only=False))
+        print(f"resumed from {ckpt} at step {trainer.step}/{trainer.total_steps}")
+    else:
+        print(f"new run {cfg.run}: {len(examples)} examples ({stats}), {trainer.total_steps} steps, "
+              f"{sum(p.numel() for p in trainer.params):,} trainable parameters")
+    cfg.run.mkdir(parents=True, exist_ok=True)
+    trainer.run(cfg.run)
+    return trainer
