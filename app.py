@@ -30,18 +30,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--host", default=os.environ.get("GRADIO_SERVER_NAME", "127.0.0.1"),
                    help="interface to listen on (default 127.0.0.1; 0.0.0.0 to share on a network)")
     p.add_argument("--port", type=int, default=int(os.environ.get("GRADIO_SERVER_PORT", "7860")), help="port (7860)")
+    p.add_argument("--queue-size", type=int, default=None,
+                   help="requests that may wait for the engine before new ones are refused as busy "
+                        "(default: FASTDLLM_QUEUE_SIZE, else 16)")
     return p.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     from app.studio import Studio
-    from app.ui import build, launch_kwargs
+    from app.ui import build, launch_kwargs, queue_kwargs
     from engine import Engine
 
+    queue = queue_kwargs(args.queue_size)  # a bad size fails before the model loads
     engine = Engine.load(args.model or default_model())
     print(f"model: {engine.lm.banner()}", flush=True)
-    build(Studio(engine)).queue().launch(server_name=args.host, server_port=args.port, **launch_kwargs())
+    build(Studio(engine)).queue(**queue).launch(server_name=args.host, server_port=args.port, **launch_kwargs())
 
 
 if __name__ == "__main__":

@@ -156,9 +156,9 @@ class Studio:
                         results.append(x)
         diff, ar = results
         yield {"order": "sequential: diffusion first, then AR (one engine, one lock)",
-                "diffusion": summary_dict(diff), "ar": summary_dict(ar),
-                "speedup": diff.summary.tokens_per_second / max(ar.summary.tokens_per_second, 1e-9),
-                "nfe_ratio": ar.summary.nfe / max(diff.summary.nfe, 1)}
+               "diffusion": summary_dict(diff), "ar": summary_dict(ar),
+               "speedup": diff.summary.tokens_per_second / max(ar.summary.tokens_per_second, 1e-9),
+               "nfe_ratio": ar.summary.nfe / max(diff.summary.nfe, 1)}
 
     def sweep_plan(self, message: str, thresholds: Any, block_sizes: Any, settings: dict | None) -> list[Prepared]:
         if not self.engine.can_diffuse:
