@@ -273,6 +273,9 @@ def load_tokenizer(path: Path, add_mask_token: bool):
 def load(model: str | None = None, device: str | None = None, dtype: str | None = None) -> LoadedModel:
     """Resolve, read and assemble the model the engine will decode with."""
     t0 = time.perf_counter()
+    threads = os.environ.get("FASTDLLM_THREADS", "").strip()
+    if threads:  # on a CPU shared with other busy processes, 1 thread beats torch's default (spin-waits)
+        torch.set_num_threads(max(1, int(threads)))
     source = resolve_source(model)
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dt = getattr(torch, dtype) if dtype else default_dtype(dev)
