@@ -1,0 +1,22 @@
+"""python -m bench {throughput,quality,profile,forward}: the Fast-dLLM v2 benchmarks."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from . import forward, profile, quality, throughput
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    throughput.add_parser(sub)
+    quality.add_parser(sub)
+    profile.add_parser(sub)
+    forward.add_parser(sub)
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,150 @@
+"""Quality benchmark: accuracy of the AR base and of the dLLM across thresholds on a held-out short-answer set.
+
+An answer is correct when any of the item's answers occurs in the output as a whole word or phrase,
+ignoring case (bench/checker.py). Tokens per forward and tokens/s use the same accounting as the
+throughput benchmark: answer tokens through the stop token, engine time only.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from .common import (DEFAULT_EVAL_SET, environment, load_engine, parse_list, progress, save_figures, setup_torch,
+                     table, write_json)
+
+
+def score(eng, items: list[dict[str, Any]], cfg, batch_size: int, bar) -> dict[str, Any]:
+    from .checker import is_correct
+
+    correct = toks = nfe = 0
+    secs = 0.0
+    outputs = []
+    for i in range(0, len(items), batch_size):
+        chunk = items[i:i + batch_size]
+        ids = [eng.encode(eng.chat_prompt([{"role": "user", "content": it["prompt"]}])) for it in chunk]
+        res = eng.generate_ids(ids, cfg, record=False)
+        secs += max(r.summary.seconds for r in res)
+        for it, r in zip(chunk, res):
+            s = r.summary
+            ok = is_correct(s.text, it["answers"])
+            correct += ok
+            toks += s.answer_tokens
+            nfe += s.nfe
+            outputs.append({"id": it.get("id"), "correct": ok, "output": s.text, "answer_tokens": s.answer_tokens,
+                            "nfe": s.nfe})
+        bar.update(len(chunk))
+    n = len(items)
+    return {"accuracy": correct / n if n else 0.0, "correct": correct, "n": n, "answer_tokens": toks, "nfe": nfe,
+            "tokens_per_forward": toks / nfe if nfe else 0.0, "seconds": secs,
+            "tokens_per_second": toks / secs if secs > 0 else 0.0, "outputs": outputs}
+
+
+def chart(results: list[dict[str, Any]]):
+    import plotly.graph_objects as go
+    from plotly.subplots import make_subplots
+
+    fig = make_subplots(specs=[[{"secondary_y": True}]])
+    diff = sorted((r for r in results if r["mode"] == "diffusion"), key=lambda r: r["threshold"])
+    xs = [r["threshold"] for r in diff]
+    fig.add_trace(go.Scatter(name="dLLM accuracy", x=xs, y=[r["accuracy"] for r in diff], mode="lines+markers"),
+                  secondary_y=False)
+    fig.add_trace(go.Scatter(name="dLLM tokens per forward", x=xs, y=[r["tokens_per_forward"] for r in diff],
+                             mode="lines+markers", line_dash="dash"), secondary_y=True)
+    for r in results:
+        if r["mode"] == "ar":
+            fig.add_hline(y=r["accuracy"], line_dash="dot", annotation_text=f"AR base accuracy {r['accuracy']:.3f}")
+    fig.update_xaxes(title_text="threshold")
+    fig.update_yaxes(title_text="accuracy", range=[0, 1], secondary_y=False)
+    fig.update_yaxes(title_text="tokens per forward", rangemode="tozero", secondary_y=True)
+    fig.update_layout(title="Quality vs threshold (held-out short answers)", template="plotly_white")
+    return fig
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    from .checker import load_eval_set
+
+    setup_torch(args.threads)
+    eng = load_engine(args.model, args.dtype, args.device)
+    items = load_eval_set(args.eval_set or DEFAULT_EVAL_SET)
+    if args.limit:
+        items = items[:args.limit]
+    runs: list[tuple[str, float | None]] = []
+    if "ar" in parse_list(args.modes):
+        runs.append(("ar", None))
+    if "diffusion" in parse_list(args.modes):
+        if not eng.can_diffuse:
+            raise SystemExit("quality: the model has no mask token (no adapter loaded); use --modes ar")
+        runs += [("diffusion", th) for th in parse_list(args.thresholds, float)]
+    bar = progress(len(runs) * len(items), "quality", disable=args.quiet)
+    results = []
+    for mode, th in runs:
+        kw: dict[str, Any] = dict(mode=mode, max_new_tokens=args.max_new_tokens)
+        if mode == "diffusion":
+            kw.update(threshold=th, cache=args.cache, block_size=args.block_size, sub_block_size=args.sub_block_size)
+        cfg = eng.decode_config(**kw)
+        bar.set_postfix_str(f"{mode} {th if th is not None else ''}")
+        r = score(eng, items, cfg, args.batch_size, bar)
+        results.append({"mode": mode, "threshold": th, **r})
+    bar.close()
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    report = {"kind": "quality", "environment": environment(eng), "eval_set": str(args.eval_set or DEFAULT_EVAL_SET),
+              "args": {k: v for k, v in vars(args).items() if k != "func"}, "results": results}
+    report["charts"] = save_figures({"quality": chart(results)}, out_dir, png=not args.no_png).to_json()
+    write_json(out_dir / "results.json", report)
+    return report
+
+
+COLUMNS = [("mode", "mode"), ("threshold", "threshold"), ("n", "n"), ("accuracy", "accuracy"),
+           ("tokens_per_forward", "tok/fwd"), ("tokens_per_second", "tok/s"), ("answer_tokens", "answer tok"),
+           ("nfe", "NFE")]
+
+
+def public(report: dict[str, Any]) -> dict[str, Any]:
+    keys = ("mode", "threshold", "accuracy", "tokens_per_forward", "tokens_per_second", "n")
+    return {"results": [{k: r[k] for k in keys} for r in report["results"]]}
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("quality", help="accuracy of AR base vs dLLM across thresholds",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--model", default=None)
+    p.add_argument("--eval-set", default=None, help="JSONL of {\"prompt\", \"answers\": [...]} (default bench/data/eval_short.jsonl)")
+    p.add_argument("--modes", default="ar,diffusion")
+    p.add_argument("--thresholds", default="0.5,0.7,0.9,1.0")
+    p.add_argument("--cache", default="dual")
+    p.add_argument("--block-size", type=int, default=32)
+    p.add_argument("--sub-block-size", type=int, default=8)
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--limit", type=int, default=None)
+    p.add_argument("--dtype", default=None)
+    p.add_argument("--device", default=None)
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--json", action="store_true", help="print exactly one JSON object on stdout (all else to stderr)")
+    p.add_argument("--out", default="runs/bench/quality")
+    p.add_argument("--no-png", action="store_true")
+    p.add_argument("--quiet", action="store_true")
+    p.set_defaults(func=main)
+
+
+def main(args: argparse.Namespace) -> int:
+    if args.json:
+        real = sys.stdout
+        with contextlib.redirect_stdout(sys.stderr):
+            report = run(args)
+            print(table(report["results"], COLUMNS, nd=3), file=sys.stderr)
+        real.write(json.dumps(public(report)) + "\n")
+        real.flush()
+        return 0
+    report = run(args)
+    print(f"{report['environment']['model']} · {report['eval_set']}")
+    print(table(report["results"], COLUMNS, nd=3))
+    ch = report["charts"]
+    print("results: " + str(Path(args.out) / "results.json") + " · charts: " + ", ".join(ch["html"] + ch["png"])
+          + (f" (PNG not written: {ch['png_error']})" if ch["png_error"] else ""))
+    return 0

@@ -1,0 +1,194 @@
+"""Benchmarks: CLI outputs, accounting invariants, and the lm-eval model (tiny runs on the bundled model)."""
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def adapter_env(tmp_path_factory):
+    """Use the bundled adapter when it exists; otherwise an untrained mask-token row (mechanics only)."""
+    from engine.loading import BUNDLED_ADAPTER, bundled_base_dir, save_adapter
+
+    if os.environ.get("FASTDLLM_ADAPTER") or BUNDLED_ADAPTER.exists():
+        yield
+        return
+    hidden = json.loads((bundled_base_dir() / "config.json").read_text())["hidden_size"]
+    path = tmp_path_factory.mktemp("adapter") / "mask_only.safetensors"
+    gen = torch.Generator().manual_seed(0)
+    save_adapter(path, lora={}, sets={}, new_embed_rows=torch.randn(1, hidden, generator=gen) * 0.02, lora_scale=1.0)
+    os.environ["FASTDLLM_ADAPTER"] = str(path)
+    yield
+    os.environ.pop("FASTDLLM_ADAPTER", None)
+
+
+@pytest.fixture(scope="module")
+def eng(adapter_env):
+    """One engine for the module; one intra-op thread (on a busy 2-core machine 2 threads run ~4x slower)."""
+    from bench.common import load_engine
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield load_engine(None, None)
+    torch.set_num_threads(threads)
+
+
+def write_prompts(path: Path, prompts: list[str]) -> Path:
+    path.write_text("".join(json.dumps({"prompt": p, "id": f"p{i}", "category": "x"}) + "\n"
+                            for i, p in enumerate(prompts)), encoding="utf-8")
+    return path
+
+
+def run_cli(argv: list[str], capsys) -> str:
+    from bench.__main__ import main
+
+    assert main(argv) == 0
+    return capsys.readouterr().out
+
+
+def test_throughput_cli_schema_and_accounting(eng, tmp_path, capsys):
+    prompts = write_prompts(tmp_path / "p.jsonl", ["List three fruits.", "Name two colours.", "Count to five."])
+    out_dir = tmp_path / "tp"
+    max_new = 4
+    stdout = run_cli(["throughput", "--prompts", str(prompts), "--limit", "2", "--batch-sizes", "1,2",
+                      "--modes", "ar,diffusion", "--hf-baseline", "--cache", "dual", "--sub-block-sizes", "8,5",
+                      "--max-new-tokens", str(max_new), "--repeats", "2", "--warmup-tokens", "2", "--no-png",
+                      "--quiet", "--out", str(out_dir)], capsys)
+    report = json.loads((out_dir / "results.json").read_text())
+    assert report["prompts"]["n"] == 2 and report["kind"] == "throughput"
+    assert {"model", "device", "dtype", "threads"} <= set(report["environment"])
+    # sub-block 5 does not divide block 32: skipped with the engine's reason, the rest runs
+    assert [s["name"] for s in report["skipped"]] == [f"diffusion/dual/t0.9/b32/s5/bs{b}" for b in (1, 2)]
+    assert all("divide" in s["reason"] for s in report["skipped"])
+    names = [r["name"] for r in report["results"]]
+    assert names == [f"{m}/bs{b}" for b in (1, 2) for m in ("ar", "diffusion/dual/t0.9/b32/s8", "transformers")]
+    by = {r["name"]: r for r in report["results"]}
+    for r in report["results"]:
+        for key in ("answer_tokens", "nfe", "tokens_per_forward", "seconds", "tokens_per_second", "ttft",
+                    "peak_memory_mb", "memory_kind", "repeat_seconds", "per_prompt", "stop_reasons"):
+            assert key in r, (r["name"], key)
+        assert r["n_prompts"] == 2 and len(r["repeat_seconds"]) == 2
+        assert r["tokens_per_forward"] == pytest.approx(r["answer_tokens"] / r["nfe"])
+        assert r["tokens_per_second"] == pytest.approx(r["answer_tokens"] / r["seconds"])
+        assert r["seconds"] in r["repeat_seconds"]  # the reported repeat is the (lower) median one
+        assert r["seconds"] == sorted(r["repeat_seconds"])[0]
+        assert r["answer_tokens"] == sum(p["answer_tokens"] for p in r["per_prompt"])
+        assert all(1 <= p["answer_tokens"] <= max_new for p in r["per_prompt"])
+        assert all(0 < p["ttft"] <= p["seconds"] for p in r["per_prompt"])
+        assert r["peak_memory_mb"] > 0
+        if r["mode"] != "diffusion":
+            assert r["nfe"] == r["answer_tokens"]  # one token per forward
+    # ratios come from this run's own numbers, at equal batch size
+    ratios = {(x["numerator"], x["denominator"]): x for x in report["ratios"]}
+    for b in (1, 2):
+        num = f"diffusion/dual/t0.9/b32/s8/bs{b}"
+        x = ratios[(num, f"ar/bs{b}")]
+        assert x["tokens_per_second_ratio"] == pytest.approx(by[num]["tokens_per_second"] / by[f"ar/bs{b}"]["tokens_per_second"])
+        assert by[num]["vs_ar"] == pytest.approx(x["tokens_per_second_ratio"])
+        x = ratios[(f"ar/bs{b}", f"transformers/bs{b}")]
+        assert x["tokens_per_second_ratio"] == pytest.approx(by[f"ar/bs{b}"]["tokens_per_second"] / by[f"transformers/bs{b}"]["tokens_per_second"])
+    # same weights, dtype, prompts and greedy: our AR and transformers agree token for token
+    assert [a["identical"] for a in report["ar_transformers_agreement"]] == [2, 2]
+    assert Path(report["charts"]["html"][0]).exists() and report["charts"]["png"] == []
+    assert "ratio ar/bs1 / transformers/bs1" in stdout and "diffusion/dual/t0.9/b32/s8/bs1" in stdout
+
+
+def test_throughput_ignore_eos_decodes_exactly_max_new_tokens(eng, tmp_path, capsys):
+    prompts = write_prompts(tmp_path / "p.jsonl", ["Say hi."])
+    run_cli(["throughput", "--prompts", str(prompts), "--modes", "ar,diffusion", "--cache", "dual",
+             "--max-new-tokens", "6", "--repeats", "1", "--warmup-tokens", "0", "--ignore-eos", "--no-png",
+             "--quiet", "--out", str(tmp_path / "o")], capsys)
+    report = json.loads((tmp_path / "o" / "results.json").read_text())
+    assert [r["answer_tokens"] for r in report["results"]] == [6, 6]
+    assert all(r["stop_reasons"] == {"max_new_tokens": 1} for r in report["results"])
+
+
+def test_quality_json_prints_exactly_one_object(eng, tmp_path, capsys):
+    eval_set = tmp_path / "eval.jsonl"
+    eval_set.write_text("".join(json.dumps(x) + "\n" for x in [
+        {"prompt": "What is the capital of France? Answer with one word.", "answers": ["Paris"], "extra": 1},
+        {"prompt": "What is 2 + 2? Answer with a number.", "answers": ["4", "four"]},
+        {"prompt": "Unused third item.", "answers": ["x"]}]), encoding="utf-8")
+    stdout = run_cli(["quality", "--eval-set", str(eval_set), "--limit", "2", "--thresholds", "0.9,1.0",
+                      "--max-new-tokens", "4", "--json", "--no-png", "--out", str(tmp_path / "q")], capsys)
+    lines = stdout.strip().splitlines()
+    assert len(lines) == 1
+    obj = json.loads(lines[0])
+    assert list(obj) == ["results"]
+    assert [(r["mode"], r["threshold"]) for r in obj["results"]] == [("ar", None), ("diffusion", 0.9), ("diffusion", 1.0)]
+    for r in obj["results"]:
+        assert set(r) == {"mode", "threshold", "accuracy", "tokens_per_forward", "tokens_per_second", "n"}
+        assert r["n"] == 2 and 0.0 <= r["accuracy"] <= 1.0 and r["tokens_per_forward"] > 0
+    full = json.loads((tmp_path / "q" / "results.json").read_text())
+    for r in full["results"]:
+        assert r["accuracy"] == pytest.approx(sum(o["correct"] for o in r["outputs"]) / 2)
+        assert r["tokens_per_forward"] == pytest.approx(r["answer_tokens"] / r["nfe"])
+        assert all(o["answer_tokens"] <= 4 for o in r["outputs"])
+    assert (tmp_path / "q" / "quality.html").exists()
+
+
+# ---------------------------------------------------------------------------------------------- lm-eval
+
+def lm_eval_model(eng, **kw):
+    pytest.importorskip("lm_eval")
+    from bench.lm_eval_model import FastDLLMv2
+
+    return FastDLLMv2(engine=eng, **kw)
+
+
+def test_lm_eval_likelihood_equals_left_to_right_decoding(eng):
+    """Decoding with sub-block 1 and threshold 1.0 commits left to right, one token per forward, with the
+    same block cache: the confidences it commits must multiply to the likelihood the lm-eval model reports."""
+    lm = lm_eval_model(eng, cache="block", sub_block_size=1, threshold=1.0)
+    ids = eng.encode(eng.chat_prompt([{"role": "user", "content": "List three fruits."}]))
+    for mode in ("diffusion", "ar"):
+        cfg = eng.decode_config(mode=mode, cache="block", sub_block_size=1, threshold=1.0, max_new_tokens=6)
+        r = eng.generate_ids([ids], cfg, record=True)[0]
+        confs = [t.conf for e in r.trace.events for t in e.committed]
+        lm.defaults["mode"] = mode
+        lp, greedy = lm._score(ids + r.summary.token_ids, len(ids))
+        assert greedy
+        assert lp == pytest.approx(sum(math.log(c) for c in confs), abs=1e-3)
+
+
+def test_lm_eval_generate_until_cuts_and_stops_early(eng):
+    lm = lm_eval_model(eng, mode="ar", max_new_tokens=24)
+    req = lambda ctx, kw: SimpleNamespace(args=(ctx, kw))  # noqa: E731
+    full = lm.generate_until([req("List three fruits.", {"max_gen_toks": 24})], disable_tqdm=True)[0]
+    tokens_full = lm.stats["answer_tokens"]
+    assert len(full) > 6
+    stop = full[4:6]
+    cut = lm.generate_until([req("List three fruits.", {"until": [stop], "max_gen_toks": 24, "do_sample": False})],
+                            disable_tqdm=True)[0]
+    assert cut == full[:full.find(stop)]
+    assert lm.stats["answer_tokens"] - tokens_full < tokens_full  # decoding stopped once the stop string appeared
+    with pytest.raises(ValueError, match="unknown model_args"):
+        lm_eval_model(eng, bogus=1)
+
+
+def test_lm_eval_simple_evaluate_local_tasks(eng):
+    pytest.importorskip("lm_eval")
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+
+    import bench.lm_eval_model  # noqa: F401  registers fast_dllm_v2
+
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+    res = lm_eval.simple_evaluate(
+        model="fast_dllm_v2", model_args={"engine": eng, "max_new_tokens": 8, "threshold": 0.9, "cache": "dual"},
+        tasks=["fastdllm_short_answer", "fastdllm_choice"], limit=2, apply_chat_template=True,
+        task_manager=TaskManager(include_path=str(ROOT / "bench" / "lm_eval_tasks"), include_defaults=False))
+    assert 0.0 <= res["results"]["fastdllm_short_answer"]["acc,none"] <= 1.0
+    assert 0.0 <= res["results"]["fastdllm_choice"]["acc,none"] <= 1.0
+    gens = [s["resps"][0][0] for s in res["samples"]["fastdllm_short_answer"]]
+    assert len(gens) == 2 and all(isinstance(g, str) and "\n\n" not in g for g in gens)
+    lls = [s["resps"] for s in res["samples"]["fastdllm_choice"]]
+    assert all(math.isfinite(ll) and ll < 0 for doc in lls for (ll, _greedy), in doc)
