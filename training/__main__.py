@@ -41,7 +41,7 @@ def cmd_train(a: argparse.Namespace) -> None:
         lr=a.lr, weight_decay=a.weight_decay, warmup_steps=a.warmup_steps, min_lr_ratio=a.min_lr_ratio,
         epochs=a.epochs, batch_size=a.batch_size, grad_clip=a.grad_clip, bf16=not a.fp32, seed=a.seed,
         save_every_s=a.save_every_s, save_every_steps=a.save_every_steps, max_steps=a.max_steps,
-        minutes=a.minutes, limit=a.limit, val_size=a.val_size)
+        minutes=a.minutes, limit=a.limit, val_size=a.val_size, init_from=a.init_from)
     train(cfg)
 
 
@@ -111,6 +111,8 @@ def parser() -> argparse.ArgumentParser:
     t.add_argument("--minutes", type=float, default=None, help="stop this process after this wall time (resume later)")
     t.add_argument("--limit", type=int, default=None, help="use only the first N training examples")
     t.add_argument("--val-size", type=int, default=0, help="hold out N examples; their loss is logged at each checkpoint")
+    t.add_argument("--init-from", type=Path, default=None,
+                   help="new run only: start from the adapter weights of this checkpoint (fresh optimiser/schedule)")
     t.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     t.set_defaults(func=cmd_train)
 

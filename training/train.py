@@ -50,6 +50,7 @@ class TrainConfig:
     minutes: float | None = None  # stop this process after this wall time
     limit: int | None = None
     val_size: int = 0
+    init_from: Path | None = None  # start a new run from another run's trained weights (not its optimiser)
     progress: bool = True
     extra: dict = field(default_factory=dict)  # recorded in checkpoints and the adapter's metadata
 
@@ -178,6 +179,15 @@ class Trainer:
         torch.set_rng_state(sd["rng"]["torch"])
         random.setstate(sd["rng"]["python"])
 
+    def load_weights(self, sd: dict) -> None:
+        """Only the trained tensors of a checkpoint: a new phase (new data, fresh optimiser and schedule)."""
+        params = dict(self.model.named_parameters())
+        if set(sd["trainable"]) != set(self.names):
+            raise ValueError("init checkpoint: its trainable tensors differ from this run's (rank, --train-norms?)")
+        with torch.no_grad():
+            for n, t in sd["trainable"].items():
+                params[n].copy_(t)
+
     def save(self, run: Path, keep: int = 2) -> Path:
         """Atomic write of ckpt-<step>.pt, then `latest` points at it; older ones beyond `keep` go."""
         run.mkdir(parents=True, exist_ok=True)
@@ -270,6 +280,9 @@ def train(cfg: TrainConfig) -> Trainer:
         trainer.load_state_dict(torch.load(ckpt, weights_only=False))
         print(f"resumed from {ckpt} at step {trainer.step}/{trainer.total_steps}")
     else:
+        if cfg.init_from is not None:
+            trainer.load_weights(torch.load(cfg.init_from, weights_only=False))
+            print(f"initialised the adapter from {cfg.init_from}")
         print(f"new run {cfg.run}: {len(examples)} examples ({stats}), {trainer.total_steps} steps, "
               f"{sum(p.numel() for p in trainer.params):,} trainable parameters")
     cfg.run.mkdir(parents=True, exist_ok=True)
