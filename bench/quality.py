@@ -17,30 +17,34 @@ from .common import (DEFAULT_EVAL_SET, environment, load_engine, parse_list, pro
                      table, write_json)
 
 
-def score(eng, items: list[dict[str, Any]], cfg, batch_size: int, bar) -> dict[str, Any]:
-    from .checker import is_correct
+class Score:
+    """Running totals of one (mode, threshold) over the eval set."""
 
-    correct = toks = nfe = 0
-    secs = 0.0
-    outputs = []
-    for i in range(0, len(items), batch_size):
-        chunk = items[i:i + batch_size]
-        ids = [eng.encode(eng.chat_prompt([{"role": "user", "content": it["prompt"]}])) for it in chunk]
+    def __init__(self) -> None:
+        self.correct = self.toks = self.nfe = 0
+        self.secs = 0.0
+        self.outputs: list[dict[str, Any]] = []
+
+    def add(self, eng, chunk: list[dict[str, Any]], ids: list[list[int]], cfg) -> None:
+        from .checker import is_correct
+
         res = eng.generate_ids(ids, cfg, record=False)
-        secs += max(r.summary.seconds for r in res)
+        self.secs += max(r.summary.seconds for r in res)
         for it, r in zip(chunk, res):
             s = r.summary
             ok = is_correct(s.text, it["answers"])
-            correct += ok
-            toks += s.answer_tokens
-            nfe += s.nfe
-            outputs.append({"id": it.get("id"), "correct": ok, "output": s.text, "answer_tokens": s.answer_tokens,
-                            "nfe": s.nfe})
-        bar.update(len(chunk))
-    n = len(items)
-    return {"accuracy": correct / n if n else 0.0, "correct": correct, "n": n, "answer_tokens": toks, "nfe": nfe,
-            "tokens_per_forward": toks / nfe if nfe else 0.0, "seconds": secs,
-            "tokens_per_second": toks / secs if secs > 0 else 0.0, "outputs": outputs}
+            self.correct += ok
+            self.toks += s.answer_tokens
+            self.nfe += s.nfe
+            self.outputs.append({"id": it.get("id"), "correct": ok, "output": s.text,
+                                 "answer_tokens": s.answer_tokens, "nfe": s.nfe})
+
+    def result(self) -> dict[str, Any]:
+        n = len(self.outputs)
+        return {"accuracy": self.correct / n if n else 0.0, "correct": self.correct, "n": n,
+                "answer_tokens": self.toks, "nfe": self.nfe,
+                "tokens_per_forward": self.toks / self.nfe if self.nfe else 0.0, "seconds": self.secs,
+                "tokens_per_second": self.toks / self.secs if self.secs > 0 else 0.0, "outputs": self.outputs}
 
 
 def chart(results: list[dict[str, Any]]):
@@ -79,16 +83,23 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         if not eng.can_diffuse:
             raise SystemExit("quality: the model has no mask token (no adapter loaded); use --modes ar")
         runs += [("diffusion", th) for th in parse_list(args.thresholds, float)]
-    bar = progress(len(runs) * len(items), "quality", disable=args.quiet)
-    results = []
+    cfgs = []
     for mode, th in runs:
         kw: dict[str, Any] = dict(mode=mode, max_new_tokens=args.max_new_tokens)
         if mode == "diffusion":
             kw.update(threshold=th, cache=args.cache, block_size=args.block_size, sub_block_size=args.sub_block_size)
-        cfg = eng.decode_config(**kw)
-        bar.set_postfix_str(f"{mode} {th if th is not None else ''}")
-        r = score(eng, items, cfg, args.batch_size, bar)
-        results.append({"mode": mode, "threshold": th, **r})
+        cfgs.append(eng.decode_config(**kw))
+    scores = [Score() for _ in runs]
+    bar = progress(len(runs) * len(items), "quality", disable=args.quiet)
+    # chunk by chunk, every setting in turn: drift of a shared machine hits all settings' tokens/s alike
+    for i in range(0, len(items), args.batch_size):
+        chunk = items[i:i + args.batch_size]
+        ids = [eng.encode(eng.chat_prompt([{"role": "user", "content": it["prompt"]}])) for it in chunk]
+        for (mode, th), cfg, sc in zip(runs, cfgs, scores):
+            bar.set_postfix_str(f"{mode} {th if th is not None else ''}")
+            sc.add(eng, chunk, ids, cfg)
+            bar.update(len(chunk))
+    results = [{"mode": mode, "threshold": th, **sc.result()} for (mode, th), sc in zip(runs, scores)]
     bar.close()
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -133,6 +144,8 @@ def add_parser(sub) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    if args.batch_size < 1:
+        raise SystemExit("--batch-size must be >= 1")
     if args.json:
         real = sys.stdout
         with contextlib.redirect_stdout(sys.stderr):
