@@ -43,6 +43,7 @@ class Row:
     nfe: int = 0
     first_token_t: float | None = None
     done: str = ""  # stop reason once finished
+    summary: Summary | None = None  # set when the row leaves the batch
 
     def known(self, q: int) -> bool:
         return q < self.prompt_len or self.answer[q - self.prompt_len] is not None
@@ -135,15 +136,14 @@ class Decoder:
                     raise ValueError("mode: this model has no mask token |<MASK>|, so it cannot decode by "
                                      "block diffusion; use mode 'ar'")
                 self._run_diffusion(rows, seq, max_len)
-        out: dict[int, Summary] = {r.index: r.summary for r in rows}  # type: ignore[attr-defined]
-        return [out[i] for i in range(len(rows))]
+        return [r.summary for r in rows]  # type: ignore[misc]  # rows are in caller order
 
     def _retire(self, live: list[Row], seq: Tensor, cache: KVCache | None) -> tuple[list[Row], Tensor]:
         """Finished rows leave the batch (their summary is kept)."""
         keep = [i for i, r in enumerate(live) if not r.done]
         for r in live:
-            if r.done and not hasattr(r, "summary"):
-                r.summary = self._summary(r)  # type: ignore[attr-defined]
+            if r.done and r.summary is None:
+                r.summary = self._summary(r)
         if len(keep) == len(live):
             return live, seq
         idx = torch.tensor(keep, dtype=torch.long, device=self.device)
