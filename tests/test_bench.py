@@ -192,3 +192,23 @@ def test_lm_eval_simple_evaluate_local_tasks(eng):
     assert len(gens) == 2 and all(isinstance(g, str) and "\n\n" not in g for g in gens)
     lls = [s["resps"] for s in res["samples"]["fastdllm_choice"]]
     assert all(math.isfinite(ll) and ll < 0 for doc in lls for (ll, _greedy), in doc)
+
+
+def test_roofline_reports_forward_cost_and_generate_overhead(eng, tmp_path, capsys):
+    from bench.roofline import SHAPES, random_model, weight_bytes
+
+    out = run_cli(["roofline", "--widths", "1,4", "--iters", "2", "--probe-mb", "16", "--prefix", "40", "--hf",
+                   "--new-tokens", "3", "--threads", "1", "--out", str(tmp_path)], capsys)
+    rep = json.loads((tmp_path / "roofline.json").read_text())
+    assert "generate()" in out and rep["weight_bytes"] == weight_bytes(eng.lm.dllm)
+    assert [r["k"] for r in rep["widths"]] == [1, 4]
+    for r in rep["widths"]:
+        assert r["ms_per_forward"] > 0
+        assert math.isclose(r["achieved_gbps"] * r["ms_per_forward"] / 1e3 * 1e9, rep["weight_bytes"], rel_tol=1e-6)
+        assert math.isclose(r["tokens_per_s_at_k"], r["k"] * r["forwards_per_s"], rel_tol=1e-9)
+    hf = rep["hf"]
+    assert hf["hf_step_s"] > 0 and hf["generate_per_token_s"] > 0 and hf["engine_ar_per_token_s"] > 0
+    assert math.isclose(hf["engine_vs_generate"], hf["generate_per_token_s"] / hf["engine_ar_per_token_s"])
+    # the named shape is the bundled architecture: same parameter bytes as the real base
+    shaped = random_model("smollm2-135m", torch.device("cpu"), torch.float32)
+    assert weight_bytes(shaped) == weight_bytes(eng.lm.base) and "qwen2.5-1.5b" in SHAPES

@@ -238,3 +238,20 @@ def test_init_from_loads_weights_only(tmp_path):
     second.load_weights(ckpt)
     a, b = dict(first.model.named_parameters()), dict(second.model.named_parameters())
     assert all(torch.equal(a[n], b[n]) for n in first.names) and second.step == 0
+
+
+def test_ablation_heldout_scores_every_answer_token_once_and_sees_training(tmp_path):
+    from training.ablation import markdown, score_heldout
+
+    exs = examples(8)
+    answer_tokens = sum(len(ex.ids) - ex.prompt_len for ex in exs)
+    tr = Trainer(cfg(tmp_path, max_steps=20), tiny_model(), exs, MASK, PAD)
+    before = score_heldout(tr.model, exs, BS, MASK, PAD)
+    tr.run(tmp_path / "run")
+    after = score_heldout(tr.model, exs, BS, MASK, PAD)
+    assert before["heldout_tokens"] == after["heldout_tokens"] == answer_tokens
+    assert after["heldout_loss"] < 0.8 * before["heldout_loss"]
+    assert after["heldout_top1"] > before["heldout_top1"]
+    row = {"label": "+ pad", "tokens_seen": 1234, "diffusion_accuracy": 0.5, "ar_accuracy": 0.6,
+           "long_tokens_per_forward": 1.1, "paper_gsm8k": 60.1, "paper_avg": 42.2, **after}
+    assert "| + pad | 1,234 |" in markdown([row])

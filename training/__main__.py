@@ -1,4 +1,4 @@
-"""python -m training {distill,train,export,eval}: make the bundled Fast-dLLM v2 adapter.
+"""python -m training {distill,train,export,eval,ablation}: make the bundled Fast-dLLM v2 adapter.
 
 Typical run (CPU, the bundled SmolLM2-135M base):
   python -m training distill --limit 800 --time-budget 900
@@ -62,6 +62,17 @@ def cmd_eval(a: argparse.Namespace) -> None:
     print(json.dumps(evaluate(EvalConfig(model=a.model, short=a.short, long=a.long, max_new_tokens=a.max_new_tokens,
                                          short_max_new_tokens=a.short_max_new_tokens,
                                          threshold=a.threshold, batch_size=a.batch_size, out=a.out)), indent=1))
+
+
+def cmd_ablation(a: argparse.Namespace) -> None:
+    from .ablation import AblationConfig, run_ablation
+
+    _threads(a.threads)
+    rep = run_ablation(AblationConfig(runs=a.runs, data=a.data, val_size=a.val_size, short=a.short, long=a.long,
+                                      max_new_tokens=a.max_new_tokens, threshold=a.threshold, out=a.out))
+    from .ablation import markdown
+
+    print(markdown(rep["rows"]))
 
 
 def parser() -> argparse.ArgumentParser:
@@ -138,6 +149,19 @@ def parser() -> argparse.ArgumentParser:
     v.add_argument("--out", type=Path, default=None, help="write the report as JSON here")
     v.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     v.set_defaults(func=cmd_eval)
+
+    b = sub.add_parser("ablation", formatter_class=fmt,
+                       help="the paper's recipe ablation: score runs trained with --recipe naive|pad|full alike")
+    b.add_argument("runs", type=Path, nargs="+", help="run directories (same data, seed, budget and --val-size)")
+    b.add_argument("--data", type=Path, default=DATA / "distill.jsonl", help="the runs' training data")
+    b.add_argument("--val-size", type=int, default=16, help="the --val-size the runs held out (scored here)")
+    b.add_argument("--short", type=int, default=40, help="short-answer items for decoding accuracy")
+    b.add_argument("--long", type=int, default=8, help="long-answer prompts for tokens per forward")
+    b.add_argument("--max-new-tokens", type=int, default=128, help="answer length cap, long-answer prompts")
+    b.add_argument("--threshold", type=float, default=0.9, help="diffusion confidence threshold")
+    b.add_argument("--out", type=Path, default=Path("bench/results/ablation"), help="results.json + table.md here")
+    b.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    b.set_defaults(func=cmd_ablation)
     return p
 
 
