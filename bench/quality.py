@@ -3,6 +3,10 @@
 An answer is correct when any of the item's answers occurs in the output as a whole word or phrase,
 ignoring case (bench/checker.py). Tokens per forward and tokens/s use the same accounting as the
 throughput benchmark: answer tokens through the stop token, engine time only.
+
+--long-set adds the parallelism half of the threshold curve: each diffusion setting also decodes the
+long-answer prompts (lists, steps, code, explanations), where tokens per forward can show; short answers
+barely parallelise. AR is one token per forward by construction, so it is not re-run there.
 """
 from __future__ import annotations
 
@@ -58,6 +62,10 @@ def chart(results: list[dict[str, Any]]):
                   secondary_y=False)
     fig.add_trace(go.Scatter(name="dLLM tokens per forward", x=xs, y=[r["tokens_per_forward"] for r in diff],
                              mode="lines+markers", line_dash="dash"), secondary_y=True)
+    if diff and "long_tokens_per_forward" in diff[0]:
+        fig.add_trace(go.Scatter(name="dLLM tokens per forward, long answers", x=xs,
+                                 y=[r["long_tokens_per_forward"] for r in diff], mode="lines+markers",
+                                 line_dash="dashdot"), secondary_y=True)
     for r in results:
         if r["mode"] == "ar":
             fig.add_hline(y=r["accuracy"], line_dash="dot", annotation_text=f"AR base accuracy {r['accuracy']:.3f}")
@@ -66,6 +74,30 @@ def chart(results: list[dict[str, Any]]):
     fig.update_yaxes(title_text="tokens per forward", rangemode="tozero", secondary_y=True)
     fig.update_layout(title="Quality vs threshold (held-out short answers)", template="plotly_white")
     return fig
+
+
+def long_tokens_per_forward(eng, args: argparse.Namespace, runs: list, results: list[dict[str, Any]]) -> None:
+    """Tokens per forward of each diffusion setting on the long-answer prompts (results gain long_* keys)."""
+    from .common import load_prompts
+
+    prompts = load_prompts(args.long_set, args.long_limit)
+    ids = [eng.encode(eng.chat_prompt([{"role": "user", "content": p}])) for p in prompts]
+    todo = [(i, th) for i, (mode, th) in enumerate(runs) if mode == "diffusion"]
+    bar = progress(len(todo) * len(ids), "long set", disable=args.quiet)
+    for i, th in todo:
+        cfg = eng.decode_config(mode="diffusion", threshold=th, cache=args.cache, block_size=args.block_size,
+                                sub_block_size=args.sub_block_size, max_new_tokens=args.long_max_new_tokens)
+        toks = nfe = 0
+        for j in range(0, len(ids), args.batch_size):
+            for r in eng.generate_ids(ids[j:j + args.batch_size], cfg, record=False):
+                toks, nfe = toks + r.summary.answer_tokens, nfe + r.summary.nfe
+            bar.update(len(ids[j:j + args.batch_size]))
+        results[i].update(long_n=len(ids), long_answer_tokens=toks, long_nfe=nfe,
+                          long_tokens_per_forward=toks / nfe if nfe else 0.0)
+    for r in results:
+        if r["mode"] == "ar":
+            r.update(long_n=len(ids), long_tokens_per_forward=1.0)  # one token per forward by construction
+    bar.close()
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -101,6 +133,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             bar.update(len(chunk))
     results = [{"mode": mode, "threshold": th, **sc.result()} for (mode, th), sc in zip(runs, scores)]
     bar.close()
+    if args.long_set:
+        long_tokens_per_forward(eng, args, runs, results)
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     report = {"kind": "quality", "environment": environment(eng), "eval_set": str(args.eval_set or DEFAULT_EVAL_SET),
@@ -112,12 +146,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 COLUMNS = [("mode", "mode"), ("threshold", "threshold"), ("n", "n"), ("accuracy", "accuracy"),
            ("tokens_per_forward", "tok/fwd"), ("tokens_per_second", "tok/s"), ("answer_tokens", "answer tok"),
-           ("nfe", "NFE")]
+           ("nfe", "NFE"), ("long_tokens_per_forward", "long tok/fwd")]
 
 
 def public(report: dict[str, Any]) -> dict[str, Any]:
     keys = ("mode", "threshold", "accuracy", "tokens_per_forward", "tokens_per_second", "n")
-    return {"results": [{k: r[k] for k in keys} for r in report["results"]]}
+    extra = ("long_tokens_per_forward",)  # only with --long-set
+    return {"results": [{k: r[k] for k in keys + extra if k in r} for r in report["results"]]}
 
 
 def add_parser(sub) -> None:
@@ -136,6 +171,11 @@ def add_parser(sub) -> None:
     p.add_argument("--dtype", default=None)
     p.add_argument("--device", default=None)
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--long-set", default=None,
+                   help="JSONL of {\"prompt\": ...}: also measure each threshold's tokens per forward on these "
+                        "long-answer prompts (e.g. bench/data/long_answer.jsonl)")
+    p.add_argument("--long-limit", type=int, default=None, help="use only the first N long-answer prompts")
+    p.add_argument("--long-max-new-tokens", type=int, default=128, help="answer length cap on the long set")
     p.add_argument("--json", action="store_true", help="print exactly one JSON object on stdout (all else to stderr)")
     p.add_argument("--out", default="runs/bench/quality")
     p.add_argument("--no-png", action="store_true")

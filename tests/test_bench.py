@@ -135,6 +135,22 @@ def test_quality_json_prints_exactly_one_object(eng, tmp_path, capsys):
     assert (tmp_path / "q" / "quality.html").exists()
 
 
+def test_quality_long_set_adds_tokens_per_forward_per_threshold(eng, tmp_path, capsys):
+    eval_set = tmp_path / "eval.jsonl"
+    eval_set.write_text(json.dumps({"prompt": "What is 2 + 2?", "answers": ["4"]}) + "\n", encoding="utf-8")
+    long_set = write_prompts(tmp_path / "long.jsonl", ["List five fruits.", "Explain rain.", "Unused."])
+    stdout = run_cli(["quality", "--eval-set", str(eval_set), "--thresholds", "0.5,1.0", "--max-new-tokens", "4",
+                      "--long-set", str(long_set), "--long-limit", "2", "--long-max-new-tokens", "6", "--json",
+                      "--no-png", "--out", str(tmp_path / "q")], capsys)
+    obj = json.loads(stdout)
+    assert all("long_tokens_per_forward" in r for r in obj["results"])
+    full = json.loads((tmp_path / "q" / "results.json").read_text())["results"]
+    assert full[0]["mode"] == "ar" and full[0]["long_tokens_per_forward"] == 1.0
+    for r in full[1:]:
+        assert r["long_n"] == 2 and 0 < r["long_answer_tokens"] <= 12
+        assert r["long_tokens_per_forward"] == pytest.approx(r["long_answer_tokens"] / r["long_nfe"])
+
+
 # ---------------------------------------------------------------------------------------------- lm-eval
 
 def lm_eval_model(eng, **kw):
