@@ -62,8 +62,12 @@ def timed(fn: Callable[[], Any], device: torch.device, iters: int, warmup: int =
 
 
 def weight_bytes(model: torch.nn.Module) -> int:
-    """Bytes of the distinct parameter tensors (tied embeddings counted once)."""
-    seen, total = set(), 0
+    """Bytes one forward streams: distinct parameters, minus the embedding table when the LM head is a
+    separate tensor (a lookup reads only the query's rows)."""
+    embed = model.model.embed_tokens.weight
+    head = [p for n, p in model.named_parameters() if n.startswith("lm_head.")]
+    skip = {embed.data_ptr()} if all(p.data_ptr() != embed.data_ptr() for p in head) else set()
+    seen, total = set(skip), 0
     for p in model.parameters():
         if p.data_ptr() not in seen:
             seen.add(p.data_ptr())
@@ -72,13 +76,16 @@ def weight_bytes(model: torch.nn.Module) -> int:
 
 
 def probe_bandwidth(device: torch.device, dtype: torch.dtype, nbytes: int, iters: int) -> float:
-    """GB/s of y = W x over a [rows, 4096] matrix of about nbytes (the AR step's access pattern)."""
-    cols = 4096
+    """GB/s of one matrix-vector product over about nbytes of weights (the AR step's access pattern),
+    the faster of the two layouts ([out, in] as nn.Linear stores it, [in, out] as the CPU decode layout)."""
+    cols = 1024
     rows = max(1, nbytes // (cols * torch.finfo(dtype).bits // 8))
     w = torch.randn(rows, cols, device=device, dtype=dtype)
     x = torch.randn(cols, device=device, dtype=dtype)
     with torch.inference_mode():
         sec = timed(lambda: torch.mv(w, x), device, iters)
+        w = w.t().contiguous()  # [cols, rows]: x @ w streams rows of w
+        sec = min(sec, timed(lambda: torch.matmul(x, w), device, iters))
     return w.numel() * w.element_size() / sec / 1e9
 
 
@@ -89,7 +96,10 @@ def random_model(shape: str, device: torch.device, dtype: torch.dtype):
     cfg = ModelConfig(**SHAPES[shape])
     with torch.device(device):  # default init is fine: the cost of a forward does not depend on the values
         model = CausalLM(cfg)
-    return model.to(dtype).eval()
+    model = model.to(dtype).eval()
+    from engine import packing
+
+    return packing.pack_for_decode(model) if packing.wanted(device) else model  # as Engine.load does
 
 
 def forward_at_width(model, k: int, prefix: int, device: torch.device, dtype: torch.dtype, iters: int) -> float:

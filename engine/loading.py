@@ -17,6 +17,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from . import packing
 from .config import ModelConfig
 from .model import CausalLM
 
@@ -281,6 +282,10 @@ def load(model: str | None = None, device: str | None = None, dtype: str | None 
     dt = getattr(torch, dtype) if dtype else default_dtype(dev)
     base = build_model(source.path, dev, dt)
     dllm = apply_adapter(base, source.adapter) if source.adapter else base
+    if packing.wanted(dev):  # last: adapters merge into plain nn.Linear weights first
+        memo: dict = {}
+        base = packing.pack_for_decode(base, memo)
+        dllm = packing.pack_for_decode(dllm, memo) if dllm is not base else base
     tok = load_tokenizer(source.path, add_mask_token=source.adapter is not None)
     vocab = tok.get_vocab()
     mask_id = vocab.get(MASK_TOKEN)

@@ -84,13 +84,18 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(cfg.hidden_size, self.hkv * self.d, bias=cfg.attention_bias)
         self.v_proj = nn.Linear(cfg.hidden_size, self.hkv * self.d, bias=cfg.attention_bias)
         self.o_proj = nn.Linear(self.h * self.d, cfg.hidden_size, bias=False)
+        self.qkv: nn.Module | None = None  # fused q|k|v of the CPU decode layout (engine/packing.py)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, pos: Tensor, cache: KVCache | None,
                 start: int | None, kv_len: int | None, mask: Tensor | None, causal: bool) -> Tensor:
         b, t, _ = x.shape
-        q = self.q_proj(x).view(b, t, self.h, self.d).transpose(1, 2)
-        k = self.k_proj(x).view(b, t, self.hkv, self.d).transpose(1, 2)
-        v = self.v_proj(x).view(b, t, self.hkv, self.d).transpose(1, 2)
+        if self.qkv is not None:
+            q, k, v = self.qkv(x).split(self.qkv.splits, dim=-1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = q.view(b, t, self.h, self.d).transpose(1, 2)
+        k = k.view(b, t, self.hkv, self.d).transpose(1, 2)
+        v = v.view(b, t, self.hkv, self.d).transpose(1, 2)
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
         if cache is not None:
@@ -108,8 +113,12 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_up: nn.Module | None = None  # fused gate|up of the CPU decode layout (engine/packing.py)
 
     def forward(self, x: Tensor) -> Tensor:
+        if self.gate_up is not None:
+            gate, up = self.gate_up(x).chunk(2, dim=-1)
+            return self.down_proj(F.silu(gate) * up)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
@@ -145,6 +154,7 @@ class CausalLM(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        self.packed = False  # True after engine.packing.pack_for_decode (inference only)
 
     def forward(self, ids: Tensor, pos: Tensor, cache: KVCache | None = None, *, start: int | None = None,
                 kv_len: int | None = None, mask: Tensor | None = None, causal: bool = False,

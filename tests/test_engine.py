@@ -45,6 +45,54 @@ def test_forward_matches_transformers_tiny_qwen2(tmp_path):
     torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
 
 
+def test_cpu_decode_layout_computes_the_same_forward(tmp_path):
+    """Packed (transposed, fused q|k|v and gate|up, untied head) == plain nn.Linear forward, with a cache."""
+    import copy
+
+    from engine.model import KVCache
+    from engine.packing import PackedLinear, pack_for_decode
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    hf_cfg = Qwen2Config(vocab_size=320, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                         num_attention_heads=8, num_key_value_heads=2, tie_word_embeddings=True)
+    hf = Qwen2ForCausalLM(hf_cfg).eval()
+    with torch.no_grad():
+        for layer in hf.model.layers:
+            layer.self_attn.k_proj.bias.normal_(0, 0.1)
+    hf.save_pretrained(tmp_path)
+    plain = build_model(tmp_path, torch.device("cpu"), torch.float32)
+    packed = pack_for_decode(copy.deepcopy(plain))
+    att = packed.model.layers[0].self_attn
+    assert isinstance(att.qkv, PackedLinear) and att.qkv.splits == [64, 16, 16] and att.q_proj is None
+    assert isinstance(packed.lm_head, PackedLinear) and packed.model.embed_tokens.weight.shape == (320, 64)
+    ids = torch.randint(0, 320, (2, 24))
+    pos = torch.arange(24)[None].expand(2, -1)
+    with torch.no_grad():
+        torch.testing.assert_close(packed(ids, pos, causal=True), plain(ids, pos, causal=True), atol=1e-5, rtol=1e-5)
+        outs = []
+        for m in (plain, packed):  # prefill 20, then one cached AR step
+            cache = KVCache(m.cfg, 2, 32, torch.device("cpu"), torch.float32)
+            m(ids[:, :20], pos[:, :20], cache, start=0, kv_len=20, causal=True)
+            outs.append(m(ids[:, 20:21], pos[:, 20:21], cache, start=20, kv_len=21))
+        torch.testing.assert_close(outs[1], outs[0], atol=1e-5, rtol=1e-5)
+
+
+def test_packing_shares_weights_between_base_and_dllm(tmp_path):
+    """A dLLM that shares projections with its AR base shares their packed copies too (no 2x memory)."""
+    from engine.loading import apply_adapter
+    from engine.packing import pack_for_decode
+    from tests.checkpoints import mask_only_adapter
+
+    base = build_model(bundled_base_dir(), torch.device("cpu"), torch.float32)
+    dllm = apply_adapter(base, mask_only_adapter(tmp_path / "mask_only.safetensors"))
+    memo: dict = {}
+    pack_for_decode(base, memo)
+    pack_for_decode(dllm, memo)
+    assert base.model.layers[3].mlp.gate_up is dllm.model.layers[3].mlp.gate_up
+    assert base.lm_head is not dllm.lm_head  # the dLLM's head has the mask row
+
+
 def test_forward_matches_transformers_bundled_base():
     from transformers import AutoModelForCausalLM
 

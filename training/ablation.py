@@ -73,6 +73,11 @@ def heldout_metrics(adapter: Path, data: Path, val_size: int, block_size: int) -
     return score_heldout(model, examples[len(examples) - val_size:], block_size, mask_id, pad_id)
 
 
+def protocol(cfg: AblationConfig) -> dict:
+    return {"data": str(cfg.data), "val_size": cfg.val_size, "short_items": cfg.short, "long_items": cfg.long,
+            "max_new_tokens": cfg.max_new_tokens, "threshold": cfg.threshold, "cache": "dual"}
+
+
 def run_ablation(cfg: AblationConfig) -> dict:
     from .export import export
 
@@ -80,6 +85,12 @@ def run_ablation(cfg: AblationConfig) -> dict:
     for run in cfg.runs:
         adapter = run / "adapter.safetensors"
         meta = export(run, adapter)
+        cached = run / "ablation_row.json"  # a run scored before at this step and protocol is not re-scored
+        key = {"step": int(meta["step"]), "protocol": protocol(cfg)}
+        if cached.exists() and json.loads(cached.read_text()).get("key") == key:
+            rows.append(json.loads(cached.read_text())["row"])
+            print(f"{run}: scored before at step {key['step']}")
+            continue
         row = {"run": str(run), "recipe": meta["recipe"], "label": LABELS[meta["recipe"]],
                "steps": int(meta["step"]), "tokens_seen": int(meta["tokens_seen"]),
                "train_seconds": float(meta["train_seconds"])}
@@ -98,10 +109,9 @@ def run_ablation(cfg: AblationConfig) -> dict:
         row["paper_gsm8k"] = PAPER_TABLE2[row["recipe"]]["gsm8k"]
         row["paper_avg"] = PAPER_TABLE2[row["recipe"]]["avg"]
         rows.append(row)
+        cached.write_text(json.dumps({"key": key, "row": row}, indent=1))
         print(json.dumps(row))
-    report = {"protocol": {"data": str(cfg.data), "val_size": cfg.val_size, "short_items": cfg.short,
-                           "long_items": cfg.long, "threshold": cfg.threshold, "cache": "dual"},
-              "rows": rows, **cfg.extra}
+    report = {"protocol": protocol(cfg), "rows": rows, **cfg.extra}
     cfg.out.mkdir(parents=True, exist_ok=True)
     (cfg.out / "results.json").write_text(json.dumps(report, indent=1))
     (cfg.out / "table.md").write_text(markdown(rows))

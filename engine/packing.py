@@ -1,0 +1,71 @@
+"""The CPU decode layout: projections stored transposed ([in, out]) and fused (q|k|v, gate|up), LM head untied.
+
+A decode step multiplies one (AR) or a few (diffusion) vectors by every weight, so on a CPU its cost is
+streaming the weights from memory. PyTorch's CPU kernels stream a [in, out]-contiguous matrix through
+x @ W about 1.5-2x faster than nn.Linear's [out, in] layout when `in` is small (SmolLM2: 576), and
+fewer, larger matrices stream better than many small ones (`python -m bench roofline` measures both).
+Same weights, same dtype, same arithmetic; only the memory layout (and so the summation order) changes.
+Done once at load, after any adapter is merged; training and export never see packed models.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+from torch import Tensor, nn
+
+from .model import CausalLM
+
+
+class PackedLinear(nn.Module):
+    """y = x @ weight_t (+ bias) for one or several fused nn.Linear; `splits` = their output widths."""
+
+    def __init__(self, *linears: nn.Linear):
+        super().__init__()
+        w = torch.cat([lin.weight.detach() for lin in linears], 0)
+        self.weight_t = nn.Parameter(w.t().contiguous(), requires_grad=False)
+        biases = [lin.bias for lin in linears]
+        if any(b is not None for b in biases):
+            b = torch.cat([lin.bias.detach() if lin.bias is not None else w.new_zeros(lin.out_features)
+                           for lin in linears])
+            self.bias = nn.Parameter(b, requires_grad=False)
+        else:
+            self.bias = None
+        self.splits = [lin.out_features for lin in linears]
+        self.in_features, self.out_features = w.shape[1], w.shape[0]
+
+    def forward(self, x: Tensor) -> Tensor:
+        y = torch.matmul(x, self.weight_t)
+        return y + self.bias if self.bias is not None else y
+
+
+def wanted(device: torch.device) -> bool:
+    """Pack on CPU unless FASTDLLM_PACK=0 (GPU GEMM kernels are layout-agnostic)."""
+    return device.type == "cpu" and os.environ.get("FASTDLLM_PACK", "1").strip() != "0"
+
+
+def pack_for_decode(model: CausalLM, memo: dict[tuple[int, ...], PackedLinear] | None = None) -> CausalLM:
+    """Repack `model` in place. `memo` shares packed weights between models that share the originals
+    (the AR base and a dLLM whose adapter left some projections untouched)."""
+    memo = {} if memo is None else memo
+
+    def packed(*linears: nn.Linear) -> PackedLinear:
+        key = tuple(lin.weight.data_ptr() for lin in linears)
+        if key not in memo:
+            memo[key] = PackedLinear(*linears)
+        return memo[key]
+
+    for layer in model.model.layers:
+        att, mlp = layer.self_attn, layer.mlp
+        if att.qkv is None:
+            att.qkv = packed(att.q_proj, att.k_proj, att.v_proj)
+            att.o_proj = packed(att.o_proj)
+            att.q_proj = att.k_proj = att.v_proj = None
+        if mlp.gate_up is None:
+            mlp.gate_up = packed(mlp.gate_proj, mlp.up_proj)
+            mlp.down_proj = packed(mlp.down_proj)
+            mlp.gate_proj = mlp.up_proj = None
+    if not isinstance(model.lm_head, PackedLinear):
+        model.lm_head = packed(model.lm_head)  # tied models keep the embedding for lookups, untouched
+    model.packed = True
+    return model
