@@ -286,6 +286,7 @@ def load(model: str | None = None, device: str | None = None, dtype: str | None 
         memo: dict = {}
         base = packing.pack_for_decode(base, memo)
         dllm = packing.pack_for_decode(dllm, memo) if dllm is not base else base
+        packing.release_freed_memory()
     tok = load_tokenizer(source.path, add_mask_token=source.adapter is not None)
     vocab = tok.get_vocab()
     mask_id = vocab.get(MASK_TOKEN)

@@ -9,6 +9,7 @@ Done once at load, after any adapter is merged; training and export never see pa
 """
 from __future__ import annotations
 
+import ctypes
 import os
 
 import torch
@@ -69,3 +70,12 @@ def pack_for_decode(model: CausalLM, memo: dict[tuple[int, ...], PackedLinear] |
         model.lm_head = packed(model.lm_head)  # tied models keep the embedding for lookups, untouched
     model.packed = True
     return model
+
+
+def release_freed_memory() -> None:
+    """Hand the replaced [out, in] weights' pages back to the OS (glibc keeps freed heap otherwise:
+    +650 MB of RSS for the bundled model); a no-op where there is no glibc."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass

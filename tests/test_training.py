@@ -254,4 +254,4 @@ def test_ablation_heldout_scores_every_answer_token_once_and_sees_training(tmp_p
     assert after["heldout_top1"] > before["heldout_top1"]
     row = {"label": "+ pad", "tokens_seen": 1234, "diffusion_accuracy": 0.5, "ar_accuracy": 0.6,
            "long_tokens_per_forward": 1.1, "paper_gsm8k": 60.1, "paper_avg": 42.2, **after}
-    assert "| + pad | 1,234 |" in markdown([row])
+    assert "| + pad | 1,234 | 0 |" in markdown([row])

@@ -73,6 +73,16 @@ def heldout_metrics(adapter: Path, data: Path, val_size: int, block_size: int) -
     return score_heldout(model, examples[len(examples) - val_size:], block_size, mask_id, pad_id)
 
 
+def model_tokens(run: Path, step: int) -> int:
+    """Tokens through the model up to `step` (the compute: full = 3L per row, naive/pad = 2L)."""
+    total = 0
+    for line in (run / "log.jsonl").read_text().splitlines():
+        rec = json.loads(line)
+        if "forward_tokens" in rec and rec["step"] <= step:
+            total += rec["forward_tokens"]
+    return total
+
+
 def protocol(cfg: AblationConfig) -> dict:
     return {"data": str(cfg.data), "val_size": cfg.val_size, "short_items": cfg.short, "long_items": cfg.long,
             "max_new_tokens": cfg.max_new_tokens, "threshold": cfg.threshold, "cache": "dual"}
@@ -88,12 +98,12 @@ def run_ablation(cfg: AblationConfig) -> dict:
         cached = run / "ablation_row.json"  # a run scored before at this step and protocol is not re-scored
         key = {"step": int(meta["step"]), "protocol": protocol(cfg)}
         if cached.exists() and json.loads(cached.read_text()).get("key") == key:
-            rows.append(json.loads(cached.read_text())["row"])
+            rows.append({**json.loads(cached.read_text())["row"], "model_tokens": model_tokens(run, key["step"])})
             print(f"{run}: scored before at step {key['step']}")
             continue
         row = {"run": str(run), "recipe": meta["recipe"], "label": LABELS[meta["recipe"]],
                "steps": int(meta["step"]), "tokens_seen": int(meta["tokens_seen"]),
-               "train_seconds": float(meta["train_seconds"])}
+               "train_seconds": float(meta["train_seconds"]), "model_tokens": model_tokens(run, int(meta["step"]))}
         row.update(heldout_metrics(adapter, cfg.data, cfg.val_size, int(meta["block_size"])))
         prev = os.environ.get("FASTDLLM_ADAPTER")
         os.environ["FASTDLLM_ADAPTER"] = str(adapter)  # the engine's documented way to pick an adapter
@@ -119,10 +129,10 @@ def run_ablation(cfg: AblationConfig) -> dict:
 
 
 def markdown(rows: list[dict]) -> str:
-    head = ("| recipe | tokens seen | held-out loss | held-out top-1 | diffusion acc. (AR base) | long tok/fwd "
-            "| paper GSM8K | paper avg. |\n|---|---|---|---|---|---|---|---|\n")
+    head = ("| recipe | tokens seen | model tokens | held-out loss | held-out top-1 | diffusion acc. (AR base) | long tok/fwd "
+            "| paper GSM8K | paper avg. |\n|---|---|---|---|---|---|---|---|---|\n")
     body = "".join(
-        f"| {r['label']} | {r['tokens_seen']:,} | {r['heldout_loss']:.3f} | {r['heldout_top1']:.3f} "
+        f"| {r['label']} | {r['tokens_seen']:,} | {r.get('model_tokens', 0):,} | {r['heldout_loss']:.3f} | {r['heldout_top1']:.3f} "
         f"| {r['diffusion_accuracy']:.3f} ({r['ar_accuracy']:.3f}) | {r['long_tokens_per_forward']:.2f} "
         f"| {r['paper_gsm8k']} | {r['paper_avg']} |\n" for r in rows)
     return head + body
