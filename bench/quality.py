@@ -60,7 +60,7 @@ def chart(results: list[dict[str, Any]]):
     xs = [r["threshold"] for r in diff]
     fig.add_trace(go.Scatter(name="dLLM accuracy", x=xs, y=[r["accuracy"] for r in diff], mode="lines+markers"),
                   secondary_y=False)
-    fig.add_trace(go.Scatter(name="dLLM tokens per forward", x=xs, y=[r["tokens_per_forward"] for r in diff],
+    fig.add_trace(go.Scatter(name="dLLM tokens per forward, short answers", x=xs, y=[r["tokens_per_forward"] for r in diff],
                              mode="lines+markers", line_dash="dash"), secondary_y=True)
     if diff and "long_tokens_per_forward" in diff[0]:
         fig.add_trace(go.Scatter(name="dLLM tokens per forward, long answers", x=xs,
@@ -72,7 +72,7 @@ def chart(results: list[dict[str, Any]]):
     fig.update_xaxes(title_text="threshold")
     fig.update_yaxes(title_text="accuracy", range=[0, 1], secondary_y=False)
     fig.update_yaxes(title_text="tokens per forward", rangemode="tozero", secondary_y=True)
-    fig.update_layout(title="Quality vs threshold (held-out short answers)", template="plotly_white")
+    fig.update_layout(title="Accuracy (held-out short answers) and tokens per forward vs threshold", template="plotly_white")
     return fig
 
 
