@@ -1,5 +1,6 @@
 """Per-forward micro-benchmark: the engine's CausalLM on the shapes decoding uses, under speed-up variants.
 
+Every variant starts from the plain nn.Linear layout; "+packed" applies the engine's CPU decode layout.
 Shapes (query width x keys): the AR step (1 token), the dual-cache sub-block step (sub_block + 1), the
 block-cache step (a whole block), and the no-cache step (the whole prefix, block-causal mask), each
 with the LM head on the positions decoding reads. Variants: dtype (float32 / bfloat16) and
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import os
 import statistics
 import time
 from pathlib import Path
@@ -27,6 +29,10 @@ def make_variant(model: torch.nn.Module, spec: str) -> torch.nn.Module:
         m = copy.deepcopy(model).to(torch.bfloat16)
     elif "fp16" in parts:
         m = copy.deepcopy(model).to(torch.float16)
+    if "packed" in parts:  # the engine's CPU decode layout (engine/packing.py), on a copy
+        from engine.packing import pack_for_decode
+
+        m = pack_for_decode(copy.deepcopy(m) if m is model else m)
     if "compile" in parts:
         m = torch.compile(m, dynamic=True)
     return m
@@ -60,7 +66,8 @@ def add_parser(sub) -> None:
     p = sub.add_parser("forward", help="per-forward time of the decode shapes under dtype / torch.compile variants",
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--model", default=None)
-    p.add_argument("--variants", default="fp32,bf16", help="comma list of fp32, bf16, fp16, each optionally +compile")
+    p.add_argument("--variants", default="fp32,bf16",
+                   help="comma list of fp32, bf16, fp16, each optionally +packed (CPU decode layout) and/or +compile")
     p.add_argument("--prefix", type=int, default=160, help="cached prefix tokens (prompt + answer so far)")
     p.add_argument("--block-size", type=int, default=32)
     p.add_argument("--sub-block-size", type=int, default=8)
@@ -74,6 +81,7 @@ def main(args: argparse.Namespace) -> int:
     from engine.model import KVCache
 
     setup_torch(args.threads)
+    os.environ["FASTDLLM_PACK"] = "0"  # variants start from the plain layout; "+packed" applies the engine's
     eng = load_engine(args.model, None, None)
     base = eng.lm.dllm
     specs = args.variants.split(",")
