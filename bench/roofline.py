@@ -166,6 +166,8 @@ def add_parser(sub) -> None:
     p.add_argument("--model", default=None, help="engine model spec (default: bundled base + adapter)")
     p.add_argument("--shape", choices=sorted(SHAPES), default=None,
                    help="random weights of this architecture instead of --model")
+    p.add_argument("--which", choices=("dllm", "base"), default="dllm",
+                   help="engine models: time the dLLM's forward or the AR base's (on CPU only the base is packed)")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
     p.add_argument("--dtype", default=None, help="float32 / bfloat16 / float16 (default: the engine's)")
     p.add_argument("--widths", default="1,2,4,8,16,32", help="query tokens per forward (forced parallelism k)")
@@ -189,7 +191,8 @@ def main(args: argparse.Namespace) -> int:
         model, name = random_model(args.shape, dev, dtype), f"{args.shape} (random weights)"
     else:
         eng = load_engine(args.model, args.dtype, str(dev))
-        model, name, dtype = eng.lm.dllm, eng.lm.banner(), eng.lm.dtype
+        model = eng.lm.base if args.which == "base" else eng.lm.dllm
+        name, dtype = f"{eng.lm.banner()} · {args.which}", eng.lm.dtype
     wbytes = weight_bytes(model)
     gbps = probe_bandwidth(dev, dtype, args.probe_mb * 2**20, args.iters)
     gpu = torch.cuda.get_device_name(dev) if dev.type == "cuda" else None
