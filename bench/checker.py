@@ -6,7 +6,7 @@ import json
 import re
 from functools import lru_cache
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 _WHITESPACE = re.compile(r"\s+")
 # A "word character" for boundary purposes: any Unicode letter or digit (not underscore).
@@ -60,27 +60,32 @@ def _problem(item: Any, require_answers: bool) -> str | None:
     return None
 
 
-def load_eval_set(path: str | Path, *, require_answers: bool = True) -> list[dict[str, Any]]:
-    """Load a JSONL eval set, raising ValueError naming the line number of any bad record."""
-    items: list[dict[str, Any]] = []
-    seen_ids: dict[str, int] = {}
+def read_jsonl(path: str | Path) -> Iterator[tuple[int, Any]]:
+    """(line number, parsed record) for each non-blank line; invalid JSON raises ValueError naming the line."""
     with Path(path).open(encoding="utf-8") as handle:
         for lineno, line in enumerate(handle, start=1):
             if not line.strip():
                 continue
             try:
-                item = json.loads(line)
+                yield lineno, json.loads(line)
             except json.JSONDecodeError as exc:
                 raise ValueError(f"{path}: line {lineno}: invalid JSON ({exc.msg})") from exc
-            problem = _problem(item, require_answers)
-            if problem is not None:
-                raise ValueError(f"{path}: line {lineno}: {problem}")
-            item_id = item.get("id")
-            if item_id is not None:
-                if item_id in seen_ids:
-                    raise ValueError(
-                        f"{path}: line {lineno}: duplicate id {item_id!r} (first on line {seen_ids[item_id]})"
-                    )
-                seen_ids[item_id] = lineno
-            items.append(item)
+
+
+def load_eval_set(path: str | Path, *, require_answers: bool = True) -> list[dict[str, Any]]:
+    """Load a JSONL eval set, raising ValueError naming the line number of any bad record."""
+    items: list[dict[str, Any]] = []
+    seen_ids: dict[str, int] = {}
+    for lineno, item in read_jsonl(path):
+        problem = _problem(item, require_answers)
+        if problem is not None:
+            raise ValueError(f"{path}: line {lineno}: {problem}")
+        item_id = item.get("id")
+        if item_id is not None:
+            if item_id in seen_ids:
+                raise ValueError(
+                    f"{path}: line {lineno}: duplicate id {item_id!r} (first on line {seen_ids[item_id]})"
+                )
+            seen_ids[item_id] = lineno
+        items.append(item)
     return items

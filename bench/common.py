@@ -28,20 +28,15 @@ def parse_list(text: str | None, kind: type = str) -> list[Any]:
 
 def load_prompts(path: str | Path, limit: int | None = None) -> list[str]:
     """Prompts from JSONL of {"prompt": ...} (other fields ignored); errors name the line."""
+    from .checker import read_jsonl
+
     prompts: list[str] = []
-    with Path(path).open(encoding="utf-8") as fh:
-        for lineno, line in enumerate(fh, 1):
-            if not line.strip():
-                continue
-            try:
-                item = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"{path}: line {lineno}: invalid JSON ({exc.msg})") from exc
-            if not isinstance(item, dict) or not isinstance(item.get("prompt"), str) or not item["prompt"].strip():
-                raise ValueError(f"{path}: line {lineno}: needs a non-empty string field 'prompt'")
-            prompts.append(item["prompt"])
-            if limit and len(prompts) >= limit:
-                break
+    for lineno, item in read_jsonl(path):
+        if not isinstance(item, dict) or not isinstance(item.get("prompt"), str) or not item["prompt"].strip():
+            raise ValueError(f"{path}: line {lineno}: needs a non-empty string field 'prompt'")
+        prompts.append(item["prompt"])
+        if limit and len(prompts) >= limit:
+            break
     if not prompts:
         raise ValueError(f"{path}: no prompts")
     return prompts
@@ -92,6 +87,17 @@ def environment(eng) -> dict[str, Any]:
     }
 
 
+def _proc_status_mb(key: str) -> float | None:
+    """A kB field of /proc/self/status (VmRSS, VmHWM) in MiB; None where there is no procfs."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return None
+
+
 class PeakMemory:
     """Peak memory of one measured span: CUDA max allocated on GPU; process peak RSS (VmHWM) on CPU.
 
@@ -116,23 +122,15 @@ class PeakMemory:
         """Memory in use now (allocated on GPU, VmRSS on CPU): the baseline a span's peak grows from."""
         if self.cuda:
             return torch.cuda.memory_allocated() / 2**20
-        try:
-            for line in Path("/proc/self/status").read_text().splitlines():
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) / 1024
-        except OSError:
-            pass
-        return 0.0
+        rss = _proc_status_mb("VmRSS")
+        return rss if rss is not None else 0.0
 
     def peak_mb(self) -> float:
         if self.cuda:
             return torch.cuda.max_memory_allocated() / 2**20
-        try:
-            for line in Path("/proc/self/status").read_text().splitlines():
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) / 1024
-        except OSError:
-            pass
+        hwm = _proc_status_mb("VmHWM")
+        if hwm is not None:
+            return hwm
         import resource
 
         self.kind = "rss_peak_process"

@@ -138,14 +138,21 @@ def hf_costs(eng, prefix: int, new_tokens: int, iters: int) -> dict[str, float]:
             return lambda: hf.model.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt),
                                              generation_config=gc)
 
-        reps = max(3, iters // 4)
-        t1 = timed(gen(1), dev, reps, warmup=1)
-        tn = timed(gen(new_tokens + 1), dev, reps, warmup=1)
-    return {"hf_step_s": step, "generate_per_token_s": (tn - t1) / new_tokens}
+        per_token = per_new_token(gen, new_tokens, dev, iters)
+    return {"hf_step_s": step, "generate_per_token_s": per_token}
+
+
+def per_new_token(run: Callable[[int], Callable[[], Any]], new_tokens: int, device: torch.device,
+                  iters: int) -> float:
+    """Seconds per generated token with prefill subtracted: (time for 1 + n tokens - time for 1) / n."""
+    reps = max(3, iters // 4)
+    t1 = timed(run(1), device, reps, warmup=1)
+    tn = timed(run(new_tokens + 1), device, reps, warmup=1)
+    return (tn - t1) / new_tokens
 
 
 def engine_ar_per_token(eng, prefix: int, new_tokens: int, iters: int) -> float:
-    """Our AR decode loop per new token (prefill subtracted the same way as for generate())."""
+    """Our AR decode loop per new token, measured exactly as generate() is (per_new_token)."""
     from .common import NEVER_STOP
 
     prompt = [list(range(100, 100 + prefix))]
@@ -154,10 +161,7 @@ def engine_ar_per_token(eng, prefix: int, new_tokens: int, iters: int) -> float:
         cfg = eng.decode_config(mode="ar", max_new_tokens=n, temperature=0.0, stop_token_ids=(NEVER_STOP,))
         return lambda: eng.generate_ids(prompt, cfg, record=False)
 
-    reps = max(3, iters // 4)
-    t1 = timed(run(1), eng.lm.device, reps, warmup=1)
-    tn = timed(run(new_tokens + 1), eng.lm.device, reps, warmup=1)
-    return (tn - t1) / new_tokens
+    return per_new_token(run, new_tokens, eng.lm.device, iters)
 
 
 def add_parser(sub) -> None:

@@ -35,7 +35,6 @@ class PackedLinear(nn.Module):
         else:
             self.bias = None
         self.splits = [lin.out_features for lin in linears]
-        self.in_features, self.out_features = w.shape[1], w.shape[0]
 
     def forward(self, x: Tensor) -> Tensor:
         y = torch.matmul(x, self.weight_t)
@@ -47,29 +46,20 @@ def wanted(device: torch.device) -> bool:
     return device.type == "cpu" and os.environ.get("FASTDLLM_PACK", "1").strip() != "0"
 
 
-def pack_for_decode(model: CausalLM, memo: dict[tuple[int, ...], PackedLinear] | None = None) -> CausalLM:
-    """Repack `model` in place. `memo` shares packed weights between models that share the originals
-    (the AR base and a dLLM whose adapter left some projections untouched)."""
-    memo = {} if memo is None else memo
-
-    def packed(*linears: nn.Linear) -> PackedLinear:
-        key = tuple(lin.weight.data_ptr() for lin in linears)
-        if key not in memo:
-            memo[key] = PackedLinear(*linears)
-        return memo[key]
-
+def pack_for_decode(model: CausalLM) -> CausalLM:
+    """Repack `model` in place (idempotent)."""
     for layer in model.model.layers:
         att, mlp = layer.self_attn, layer.mlp
         if att.qkv is None:
-            att.qkv = packed(att.q_proj, att.k_proj, att.v_proj)
-            att.o_proj = packed(att.o_proj)
+            att.qkv = PackedLinear(att.q_proj, att.k_proj, att.v_proj)
+            att.o_proj = PackedLinear(att.o_proj)
             att.q_proj = att.k_proj = att.v_proj = None
         if mlp.gate_up is None:
-            mlp.gate_up = packed(mlp.gate_proj, mlp.up_proj)
-            mlp.down_proj = packed(mlp.down_proj)
+            mlp.gate_up = PackedLinear(mlp.gate_proj, mlp.up_proj)
+            mlp.down_proj = PackedLinear(mlp.down_proj)
             mlp.gate_proj = mlp.up_proj = None
     if not isinstance(model.lm_head, PackedLinear):
-        model.lm_head = packed(model.lm_head)  # tied models keep the embedding for lookups, untouched
+        model.lm_head = PackedLinear(model.lm_head)  # tied models keep the embedding for lookups, untouched
     model.packed = True
     return model
 

@@ -28,3 +28,18 @@ def tiny_fast_dllm(tmp_path_factory) -> Path:
     from checkpoints import build_fast_dllm_checkpoint
 
     return build_fast_dllm_checkpoint(tmp_path_factory.mktemp("fast_dllm_tiny"))
+
+
+@pytest.fixture(scope="module")
+def server():
+    """A studio server on a free port (one per test module that asks for it; the process is cached)."""
+    from conftest_app import studio_server
+
+    return studio_server()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    from gradio_client import Client
+
+    return Client(server.url, verbose=False)

@@ -11,24 +11,12 @@ from app import plots, render
 from app.settings import divisors, fit_sub_block, to_config
 from app.stream import cancel_event, decode_stream, release, request_stop
 from app.traces import MAX_TRACE_BYTES, TraceError, parse_trace
-from conftest_app import QUICK, studio_server
+from conftest_app import QUICK
 from engine import Summary, Token, Trace
 from engine.events import Event
 
 XSS = "<img src=x onerror=alert(1)>"
 ROOT = Path(__file__).resolve().parent.parent
-
-
-@pytest.fixture(scope="module")
-def server():
-    return studio_server()
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    from gradio_client import Client
-
-    return Client(server.url, verbose=False)
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from engine import ConfigError, DecodeConfig, Engine, Trace
+from engine import ConfigError, DecodeConfig, Trace
 from engine.loading import build_model, bundled_base_dir
 from engine.model import block_causal_mask
 from engine.sampling import sample, select_commits
@@ -78,19 +78,14 @@ def test_cpu_decode_layout_computes_the_same_forward(tmp_path):
         torch.testing.assert_close(outs[1], outs[0], atol=1e-5, rtol=1e-5)
 
 
-def test_packing_shares_weights_between_base_and_dllm(tmp_path):
-    """A dLLM that shares projections with its AR base shares their packed copies too (no 2x memory)."""
-    from engine.loading import apply_adapter
-    from engine.packing import pack_for_decode
-    from tests.checkpoints import mask_only_adapter
+def test_engine_packs_the_ar_model_only(engine):
+    """CPU: the AR base gets the decode layout (1-token steps), the separate dLLM keeps nn.Linear (multi-token)."""
+    from engine.packing import PackedLinear
 
-    base = build_model(bundled_base_dir(), torch.device("cpu"), torch.float32)
-    dllm = apply_adapter(base, mask_only_adapter(tmp_path / "mask_only.safetensors"))
-    memo: dict = {}
-    pack_for_decode(base, memo)
-    pack_for_decode(dllm, memo)
-    assert base.model.layers[3].mlp.gate_up is dllm.model.layers[3].mlp.gate_up
-    assert base.lm_head is not dllm.lm_head  # the dLLM's head has the mask row
+    base, dllm = engine.lm.base, engine.lm.dllm
+    assert base.packed and isinstance(base.model.layers[0].mlp.gate_up, PackedLinear)
+    assert dllm is not base and not dllm.packed and dllm.model.layers[0].mlp.gate_up is None
+    assert isinstance(dllm.model.layers[0].mlp.gate_proj, torch.nn.Linear)
 
 
 def test_forward_matches_transformers_bundled_base():

@@ -25,7 +25,7 @@ import pytest
 from app import render
 from app.settings import BLOCK_SIZES, SETTING_KEYS, divisors
 from app.traces import MAX_TRACE_BYTES
-from conftest_app import free_port, studio_server
+from conftest_app import free_port
 from engine import Trace
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -65,18 +65,6 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
-
-
-@pytest.fixture(scope="module")
-def server():
-    return studio_server()
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    from gradio_client import Client
-
-    return Client(server.url, verbose=False)
 
 
 @pytest.fixture(scope="module")
@@ -560,8 +548,8 @@ def test_chat_escaping_has_no_markdown_gaps(server):
     from markdown_it import MarkdownIt
 
     md = MarkdownIt("commonmark")
-    tricky = [f"`{XSS}``", f"\\`{XSS}`", f"x ```\n<div onmouseover=alert(1)>hi</div>\n```", f"a ```{XSS}````",
-              f"````\n{XSS}\n```", f"<details open ontoggle=alert(1)>", f"[x](javascript:alert(1)) {XSS}",
+    tricky = [f"`{XSS}``", f"\\`{XSS}`", "x ```\n<div onmouseover=alert(1)>hi</div>\n```", f"a ```{XSS}````",
+              f"````\n{XSS}\n```", "<details open ontoggle=alert(1)>", f"[x](javascript:alert(1)) {XSS}",
               f"*{XSS}*", f"> {XSS}", f"    {XSS}", f"<!-- {XSS} -->", f"``{XSS}`"]
     for t in tricky:
         shown = render.chat_display([{"role": "assistant", "content": t}])[0]["content"]

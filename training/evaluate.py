@@ -33,7 +33,9 @@ def _spread(items: list[dict], n: int) -> list[dict]:
 
 
 def _read(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    from bench.checker import read_jsonl
+
+    return [item for _, item in read_jsonl(path)]
 
 
 def _run(engine, prompts: list[str], cfg, batch: int) -> list:
