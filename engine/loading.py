@@ -17,7 +17,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from . import packing
+from . import packing, quant
 from .config import ModelConfig
 from .model import CausalLM
 
@@ -67,7 +67,8 @@ class LoadedModel:
     def banner(self) -> str:
         adapter = " + Fast-dLLM v2 adapter" if self.source.adapter else ""
         dt = str(self.dtype).replace("torch.", "")
-        return f"{self.name}{adapter} · {self.source.reason} · {self.device.type} · {dt}"
+        w = self.info.get("weights", dt)
+        return f"{self.name}{adapter} · {self.source.reason} · {self.device.type} · {dt}" + (f" · {w} weights" if w != dt else "")
 
 
 def cache_dir() -> Path:
@@ -246,6 +247,13 @@ def apply_adapter(base: CausalLM, adapter: Path) -> CausalLM:
     return model.to(dev).eval().requires_grad_(False)
 
 
+def _adapter_tensors(adapter: Path | None) -> tuple[dict[str, torch.Tensor] | None, float]:
+    if adapter is None:
+        return None, 1.0
+    with safe_open(str(adapter), "pt") as f:
+        return {k: f.get_tensor(k) for k in f.keys()}, float((f.metadata() or {}).get("lora_scale", "1.0"))
+
+
 def save_adapter(path: Path, *, lora: dict[str, tuple[torch.Tensor, torch.Tensor]], sets: dict[str, torch.Tensor],
                  new_embed_rows: torch.Tensor | None, lora_scale: float, meta: dict[str, str] | None = None) -> None:
     """Write the adapter format apply_adapter reads: lora (A [r,in], B [out,r]) per weight name."""
@@ -282,7 +290,14 @@ def load(model: str | None = None, device: str | None = None, dtype: str | None 
     dt = getattr(torch, dtype) if dtype else default_dtype(dev)
     base = build_model(source.path, dev, dt)
     dllm = apply_adapter(base, source.adapter) if source.adapter else base
-    if packing.wanted(dev):  # last: adapters merge into plain nn.Linear weights first
+    policy = quant.WeightPolicy.from_env()
+    weights = str(dt).replace("torch.", "")
+    if source.kind == "bundled" and dev.type == "cpu" and policy.mode != "fp32":
+        weights = policy.mode
+        # The GGUF's own 4-bit blocks replace the dequantised projections (engine/quant.py).
+        quant.quantize_bundled(base, dllm, _gguf_path(), *_adapter_tensors(source.adapter), policy)
+        packing.release_freed_memory()
+    elif packing.wanted(dev):  # last: adapters merge into plain nn.Linear weights first
         # The layout speeds up 1-token forwards (AR) and slows multi-token ones (diffusion) by ~8 %
         # (`bench forward --variants fp32,fp32+packed`), so a separate dLLM keeps the plain layout; a model
         # that serves both (no adapter) is packed, in place.
@@ -300,4 +315,5 @@ def load(model: str | None = None, device: str | None = None, dtype: str | None 
         name = source.spec.rstrip("/").split("/")[-1] if "/" in source.spec else source.spec
     return LoadedModel(name=name, source=source, dllm=dllm, base=base, tokenizer=tok, mask_token_id=mask_id,
                        stop_token_ids=stops, device=dev, dtype=dt, load_seconds=time.perf_counter() - t0,
-                       info={"model_type": cfg_json.get("model_type"), "bd_size": cfg_json.get("bd_size")})
+                       info={"model_type": cfg_json.get("model_type"), "bd_size": cfg_json.get("bd_size"),
+                             "weights": weights})
