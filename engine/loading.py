@@ -295,7 +295,8 @@ def load(model: str | None = None, device: str | None = None, dtype: str | None 
     if source.kind == "bundled" and dev.type == "cpu" and policy.mode != "fp32":
         weights = policy.mode
         # The GGUF's own 4-bit blocks replace the dequantised projections (engine/quant.py).
-        quant.quantize_bundled(base, dllm, _gguf_path(), *_adapter_tensors(source.adapter), policy)
+        quant.quantize_bundled(base, dllm, _gguf_path(), source.path / "q4_1_blocks.safetensors",
+                               *_adapter_tensors(source.adapter), policy)
         packing.release_freed_memory()
     elif packing.wanted(dev):  # last: adapters merge into plain nn.Linear weights first
         # The layout speeds up 1-token forwards (AR) and slows multi-token ones (diffusion) by ~8 %

@@ -33,7 +33,7 @@ from .model import CausalLM
 
 MODES = ("int4+bf16", "int4", "bf16", "fp32")
 DEFAULT_MODE = "int4+bf16"
-DEFAULT_WIDE_ROWS = 12  # int4 and dense bf16 cost the same near k = 12 here (bench forward); see README
+DEFAULT_WIDE_ROWS = 16  # int4 and dense bf16 cost about the same at k = 12..16 here (bench forward --widths); see README
 GROUP = 32  # Q4_1 / Q8_0 block size
 _Q4_1_BYTES = 20  # fp16 d, fp16 m, 16 bytes of nibbles
 _Q8_0_BYTES = 34  # fp16 d, 32 int8
@@ -146,6 +146,26 @@ def read_gguf(path: Path, n_head: int, n_kv_head: int) -> GGUFWeights:
     if embed is None:
         raise ValueError(f"gguf: {path} has no token_embd.weight")
     return GGUFWeights(q4, *embed)
+
+
+def cached_gguf(path: Path, n_head: int, n_kv_head: int, cache: Path) -> GGUFWeights:
+    """read_gguf, memoised as a safetensors file (GGUFReader spends ~10 s parsing the tokenizer fields)."""
+    from safetensors.torch import load_file, save_file
+
+    if cache.exists():
+        t = load_file(str(cache))
+        names = {k.rsplit(".", 1)[0] for k in t if k.startswith("model.")}
+        q4 = {n: Q4Blocks(t[n + ".q"], t[n + ".d"].float(), t[n + ".m"].float()) for n in names}
+        return GGUFWeights(q4, t["embed.q"], t["embed.d"].float())
+    w = read_gguf(path, n_head, n_kv_head)
+    t = {"embed.q": w.embed_q, "embed.d": w.embed_d.half()}  # d and m are fp16 in the file: stored exactly
+    for n, b in w.q4.items():
+        t.update({n + ".q": b.q.contiguous(), n + ".d": b.d.half(), n + ".m": b.m.half()})
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    tmp = cache.with_name(cache.name + f".tmp{os.getpid()}")
+    save_file(t, str(tmp))
+    tmp.replace(cache)
+    return w
 
 
 # ---- run-time modules -----------------------------------------------------------------------------------
@@ -316,14 +336,14 @@ class QuantizedPair:
         return model
 
 
-def quantize_bundled(base: CausalLM, dllm: CausalLM, gguf_path: Path, adapter: dict[str, Tensor] | None,
+def quantize_bundled(base: CausalLM, dllm: CausalLM, gguf_path: Path, cache: Path, adapter: dict[str, Tensor] | None,
                      lora_scale: float, policy: WeightPolicy) -> None:
     """Put the GGUF's 4-bit weights into `base` and, when it is a separate model, `dllm` (in place).
 
     `dllm` was built by merging the adapter into dense weights (loading.apply_adapter); its projections,
     embedding and head are replaced here by the shared 4-bit ones plus the adapter's separate LoRA path.
     """
-    w = read_gguf(gguf_path, base.cfg.num_attention_heads, base.cfg.num_key_value_heads)
+    w = cached_gguf(gguf_path, base.cfg.num_attention_heads, base.cfg.num_key_value_heads, cache)
     pair = QuantizedPair(w, policy)
     if dllm is not base:
         tensors = adapter or {}
