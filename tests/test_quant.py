@@ -81,3 +81,16 @@ def test_default_engine_runs_the_gguf_4bit_weights_and_decodes_like_fp32(engine,
                                   record=False)[0].summary.token_ids
             same = next((i for i, (u, v) in enumerate(zip(got, ref)) if u != v), min(len(got), len(ref)))
             assert same >= 6, (mode, prompt, got, ref)  # broken weights diverge at once
+
+
+def test_q8_lm_head_as_two_int4_planes(gguf):
+    """q = 16 hi + lo: the two int4 planes add up to the Q8_0 head exactly; both head paths give its logits."""
+    q, d = gguf.embed_q[:4096], gguf.embed_d[:4096]
+    exact = (q.float().view(4096, -1, 32) * d[..., None]).flatten(1)
+    hi, lo = quant.q8_planes(q, d)
+    assert torch.equal(hi.dequantize() + lo.dequantize(), exact)
+    head = quant.LMHead(tuple(quant.Int4Weight(p, dense_bf16=False) for p in (hi, lo)), exact.bfloat16(), None)
+    for rows in (1, quant.HEAD_WIDE_ROWS):
+        x = torch.randn(1, rows, 576)
+        ref = F.linear(x, exact)
+        assert (head(x) - ref).abs().max() / ref.abs().max() < 2e-2, rows
