@@ -373,3 +373,22 @@ def quantize_bundled(base: CausalLM, dllm: CausalLM, gguf_path: Path, cache: Pat
             raise ValueError(f"adapter replaces 4-bit projections ({replaced[:3]}): use FASTDLLM_WEIGHTS=fp32")
         pair.apply(dllm, read_lora(tensors), lora_scale, tensors.get("extend.model.embed_tokens.weight"))
     pair.apply(base)
+
+
+def narrow_bytes(model: CausalLM) -> int | None:
+    """Bytes a narrow (AR) forward of a 4-bit model streams: int4 blocks, scales, LoRA, norms, head planes;
+    not the dense bf16 copies that only wide calls read. None for a model without 4-bit weights."""
+    mods = [m for m in model.modules() if isinstance(m, (Int4Weight, LMHead, Q8Embedding, DenseBF16Linear))]
+    if not any(isinstance(m, Int4Weight) for m in mods):
+        return None
+    skip = {id(m.dense) for m in mods if isinstance(m, Int4Weight) and m.dense is not None}
+    skip |= {id(m.weight) for m in mods if isinstance(m, LMHead)}
+    skip |= {id(m.q) for m in mods if isinstance(m, Q8Embedding)}  # a lookup reads only its rows
+    seen: set[int] = set()
+    total = 0
+    for t in [*model.parameters(), *model.buffers()]:
+        if id(t) in skip or t.data_ptr() in seen:
+            continue
+        seen.add(t.data_ptr())
+        total += t.numel() * t.element_size()
+    return total
