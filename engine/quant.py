@@ -198,7 +198,7 @@ class LoRA(nn.Module):
         self.register_buffer("b_t", b.t().contiguous())
 
     def forward(self, x: Tensor) -> Tensor:
-        return (x @ self.a_t) @ self.b_t
+        return ((x.to(self.a_t.dtype) @ self.a_t) @ self.b_t).to(x.dtype)
 
 
 class Int4Linear(nn.Module):
@@ -267,7 +267,7 @@ class LMHead(nn.Module):
         else:
             y = F.linear(xb, self.weight).to(x.dtype)
         if self.extra is not None:
-            y = torch.cat([y, F.linear(x2, self.extra)], -1)
+            y = torch.cat([y, F.linear(x2.to(self.extra.dtype), self.extra).to(y.dtype)], -1)
         return y.view(*x.shape[:-1], y.shape[-1])
 
 
