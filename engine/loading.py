@@ -207,10 +207,11 @@ def build_model(path: Path, device: torch.device, dtype: torch.dtype) -> CausalL
     return model.to(device=device, dtype=dtype).eval().requires_grad_(False)
 
 
-def apply_adapter(base: CausalLM, adapter: Path) -> CausalLM:
+def apply_adapter(base: CausalLM, adapter: Path, merge_lora: bool = True) -> CausalLM:
     """A new model: base + merged LoRA deltas + replaced tensors + new vocabulary rows (the mask token).
 
     Parameters the adapter does not touch are shared with `base`, so both fit in ~1.3x one model.
+    merge_lora=False leaves the LoRA deltas out (engine/quant.py runs them as a separate path).
     """
     with safe_open(str(adapter), "pt") as f:
         meta = f.metadata() or {}
@@ -234,7 +235,7 @@ def apply_adapter(base: CausalLM, adapter: Path) -> CausalLM:
         kind, name = key.split(".", 1)
         if kind == "set":
             state[name] = t.to(dev, dt)
-        elif kind == "lora_A":
+        elif kind == "lora_A" and merge_lora:
             b = tensors["lora_B." + name].float()
             state[name] = (params[name].float() + scale * (b @ t.float()).to(dev)).to(dt)
     state = {k: v.detach() for k, v in state.items()}
@@ -289,10 +290,11 @@ def load(model: str | None = None, device: str | None = None, dtype: str | None 
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dt = getattr(torch, dtype) if dtype else default_dtype(dev)
     base = build_model(source.path, dev, dt)
-    dllm = apply_adapter(base, source.adapter) if source.adapter else base
     policy = quant.WeightPolicy.from_env()
+    four_bit = source.kind == "bundled" and dev.type == "cpu" and policy.mode != "fp32"
+    dllm = apply_adapter(base, source.adapter, merge_lora=not four_bit) if source.adapter else base
     weights = str(dt).replace("torch.", "")
-    if source.kind == "bundled" and dev.type == "cpu" and policy.mode != "fp32":
+    if four_bit:
         weights = policy.mode
         # The GGUF's own 4-bit blocks replace the dequantised projections (engine/quant.py).
         quant.quantize_bundled(base, dllm, _gguf_path(), source.path / "q4_1_blocks.safetensors",
