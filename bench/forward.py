@@ -3,9 +3,10 @@
 Every variant starts from the plain nn.Linear layout; "+packed" applies the engine's CPU decode layout.
 Shapes (query width x keys): the AR step (1 token), the dual-cache sub-block step (sub_block + 1), the
 block-cache step (a whole block), and the no-cache step (the whole prefix, block-causal mask), each
-with the LM head on the positions decoding reads. Variants: dtype (float32 / bfloat16) and
-torch.compile, each timed round-robin with the others (iteration i of every variant, then i + 1), so
-a busy machine's drift hits all alike; medians reported, ratios against the first variant.
+with the LM head on the positions decoding reads (--widths: forced widths k instead, LM head on all k).
+Variants: dtype (float32 / bfloat16), torch.compile, or weights=MODE (the bundled GGUF's weights as
+engine/quant.py runs them), each timed round-robin with the others (iteration i of every variant, then
+i + 1), so a busy machine's drift hits all alike; medians reported, ratios against the first variant.
 """
 from __future__ import annotations
 

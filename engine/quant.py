@@ -6,8 +6,8 @@ A Q4_1 block stores 32 weights as q in 0..15 with an fp16 scale d and minimum m:
 bf16 scales/zeros, so the only change to the weights is d and m + 8d rounded to bf16 (relative 2^-9, far
 below the 4-bit step itself). The residual stream, norms, RoPE and attention stay in the model dtype (fp32).
 
-Cost on this CPU (DESIGN.md section 9, `bench forward --variants fp32,int4,int4+bf16,bf16`): the int4
-kernel streams 1/8 of fp32's bytes, so a 1-token (AR) product is ~5x cheaper, but its cost grows with the
+Cost on this CPU (DESIGN.md section 9; `bench forward --variants weights=int4,weights=bf16 --widths ...`):
+the int4 kernel streams 1/8 of fp32's bytes, so a 1-token (AR) product is ~5x cheaper, but its cost grows with the
 rows k, while dense bf16 (AMX) stays flat from k = 1 to 32. So the default ("int4+bf16") keeps a dense bf16
 copy next to the int4 blocks and switches per call: int4 below `wide_rows` rows, dense bf16 from there.
 
