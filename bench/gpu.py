@@ -33,6 +33,7 @@ import torch
 from .common import NEVER_STOP, PeakMemory, load_prompts, setup_torch, table, write_json
 from .roofline import NOMINAL_PEAK_GBPS, SHAPES, forward_at_width, probe_bandwidth, timed, weight_bytes
 
+GPU_TOKENIZER = Path(__file__).resolve().parent.parent / ".gpu" / "tokenizer"
 TINY = dict(vocab_size=49216, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, head_dim=16, tie_word_embeddings=True, attention_bias=True, rope_theta=1e6)
 
@@ -108,6 +109,17 @@ def write_checkpoint(shape: str, out: Path, dtype: torch.dtype, device: torch.de
              if not (c["tie_word_embeddings"] and k == "lm_head.weight")}
     save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
     return out
+
+
+def tokenizer_dir(arg: str | None = None) -> Path:
+    """--tokenizer, else .gpu/tokenizer (carried to a GPU machine: README "GPU"), else the bundled model's."""
+    if arg:
+        return Path(arg)
+    if GPU_TOKENIZER.exists():
+        return GPU_TOKENIZER
+    from engine.loading import bundled_base_dir
+
+    return bundled_base_dir()
 
 
 def checkpoint(shape: str, out: Path, tokenizer_dir: Path, dtype: torch.dtype, device: torch.device) -> Path:
@@ -331,13 +343,9 @@ def main(args: argparse.Namespace) -> int:
             print(table(sec["widths"], [("k", "k"), ("eager_ms", "eager ms"), ("static_ms", "static ms"),
                                         ("static_of_probe", "static of roof"), ("static_x_k1", "x k=1")]))
     if "engine" in sections:
-        tok_dir = Path(args.tokenizer) if args.tokenizer else Path(".gpu/tokenizer")
-        if not tok_dir.exists():
-            from engine.loading import bundled_base_dir
-
-            tok_dir = bundled_base_dir()
         with tempfile.TemporaryDirectory() as work:
-            report["engine"] = guarded("engine", lambda: section_engine(args, dev, dtype, tok_dir, Path(work)))
+            report["engine"] = guarded("engine", lambda: section_engine(args, dev, dtype, tokenizer_dir(args.tokenizer),
+                                                                        Path(work)))
         if report["engine"]:
             for bsz, rows in report["engine"]["batches"].items():
                 print(f"batch {bsz}:")
