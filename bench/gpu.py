@@ -213,6 +213,7 @@ def section_engine(args, dev: torch.device, dtype: torch.dtype, tokenizer_dir: P
             a == b for a, b in zip(res["ar_static"]["token_ids"], res["ar_eager"]["token_ids"]))
         out["batches"][str(bsz)] = summary
     out["graphs_captured"] = sum(s.captured for s in static._steppers.values())
+    out["graph_errors"] = [s.graph_error for s in static._steppers.values() if s.graph_error]
     del hf, static, eager, lm
     return out
 
@@ -277,7 +278,9 @@ def plot(report: dict[str, Any], out: Path) -> list[str]:
 def add_parser(sub) -> None:
     p = sub.add_parser("gpu", help="all GPU measurements of issue 11 in one run (--smoke: toy size on CPU)",
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--out", required=True, help="directory for gpu.json (+ roofline.png)")
+    p.add_argument("--out", default=None, help="directory for gpu.json (+ roofline.png)")
+    p.add_argument("--prepare", action="store_true",
+                   help="only copy the bundled tokenizer to .gpu/tokenizer, to carry to a GPU machine (3.5 MB)")
     p.add_argument("--smoke", action="store_true", help="toy shapes, few tokens, any device: a rehearsal")
     p.add_argument("--device", default=None, help="default: cuda when present")
     p.add_argument("--shapes", default="qwen2.5-1.5b,qwen2.5-7b", help="roofline shapes (random bf16 weights)")
@@ -298,7 +301,26 @@ def add_parser(sub) -> None:
     p.set_defaults(func=main)
 
 
+def prepare() -> int:
+    """Here, before a GPU block: the tokenizer files the engine section needs (no model weights)."""
+    import shutil
+
+    from engine.loading import bundled_base_dir
+
+    src = bundled_base_dir()
+    GPU_TOKENIZER.mkdir(parents=True, exist_ok=True)
+    for f in src.iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens", "chat_template")):
+            shutil.copy2(f, GPU_TOKENIZER / f.name)
+    print(f"wrote {GPU_TOKENIZER} (carry '.gpu' with the device command)")
+    return 0
+
+
 def main(args: argparse.Namespace) -> int:
+    if args.prepare:
+        return prepare()
+    if not args.out:
+        raise SystemExit("--out: a directory is needed (e.g. --out $OUT/gpu)")
     setup_torch(args.threads)
     if args.smoke:
         args.shapes, args.engine_shape, args.widths, args.iters, args.prefix = "tiny", "tiny", "1,9,32", 2, 64

@@ -15,6 +15,7 @@ Prefill and the `none` cache (variable widths) stay on CausalLM.forward; they wr
 from __future__ import annotations
 
 import os
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -113,6 +114,7 @@ class StaticStepper:
         self.shapes: dict[tuple[int, int, int], _Shape] = {}
         self.pool = None
         self.captured = 0  # graphs captured so far (tests and benchmarks read it)
+        self.graph_error: str | None = None  # why capture failed, if it did (the steps then run uncaptured)
 
     # ------------------------------------------------------------ cache
     def new_cache(self, batch: int, max_len: int) -> StaticKVCache:
@@ -155,10 +157,14 @@ class StaticStepper:
         s.ends.copy_(torch.tensor(ends, dtype=torch.long))
         s.idx.zero_()
         s.idx[:, :n].copy_(logits_idx)
-        if not self.graphs:
-            return static_forward(self.model, self.cos, self.sin, self.keys, cache, s)[:, :n]
+        if s.graph is None and self.graphs:
+            try:
+                self._capture(s, cache)
+            except RuntimeError as exc:  # an op that cannot be captured here: decode on, uncaptured, and say why
+                self.graphs, self.graph_error, s.graph = False, f"{type(exc).__name__}: {exc}"[:500], None
+                warnings.warn(f"CUDA graph capture failed; static steps run uncaptured: {self.graph_error}")
         if s.graph is None:
-            self._capture(s, cache)
+            return static_forward(self.model, self.cos, self.sin, self.keys, cache, s)[:, :n]
         s.graph.replay()
         return s.out[:, :n]
 

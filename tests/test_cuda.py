@@ -69,7 +69,8 @@ def test_forward_matches_transformers_qwen_shape(device, tmp_path):
     from bench.gpu import shape_cfg, write_checkpoint
 
     shape = "qwen2.5-1.5b" if device == "cuda" else "tiny"
-    path = write_checkpoint(shape, tmp_path / shape, torch.float32, torch.device(device))
+    # bf16 on disk (3 GB at 1.5B): the fp32 comparison then runs on bf16-exact weights, which changes nothing
+    path = write_checkpoint(shape, tmp_path / shape, torch.bfloat16, torch.device(device))
     check_against_transformers(path, device, shape_cfg(shape)["vocab_size"])
 
 
@@ -135,7 +136,9 @@ def test_greedy_equal_across_cache_modes_and_paths(device, engines, toy):
     block = [r.summary.token_ids for r in eager.generate(PROMPTS[1:], replace(cfg, cache="block"), record=False)]
     assert none == block
     if device == "cuda":
-        assert sum(s.captured for s in static._steppers.values()) > 0, "the static path ran without graphs"
+        steppers = static._steppers.values()
+        assert [s.graph_error for s in steppers if s.graph_error] == []
+        assert sum(s.captured for s in steppers) > 0, "the static path ran without graphs"
 
 
 @pytest.mark.cuda
