@@ -91,7 +91,7 @@ class Decoder:
 
     @staticmethod
     def _to_host(tok: Tensor, conf: Tensor) -> tuple[list, list]:
-        """Tokens and confidences in one device->host copy (the step's only sync)."""
+        """Tokens and confidences in one device->host copy (with the static stepper, the step's only sync)."""
         both = torch.stack((tok.to(torch.float64), conf.to(torch.float64))).cpu()
         return both[0].long().tolist(), both[1].tolist()
 
