@@ -220,8 +220,12 @@ def section_engine(args, dev: torch.device, dtype: torch.dtype, tokenizer_dir: P
 
 def section_bundled(args, dev: torch.device) -> dict[str, Any]:
     from engine import Engine
-    from engine.loading import load
+    from engine.loading import ModelSourceError, bundled_base_dir, load
 
+    try:
+        bundled_base_dir()
+    except ModelSourceError as exc:  # no GGUF on this machine (see training/README.md for carrying it)
+        return {"skipped": str(exc)}
     lm = load(None, str(dev), None)
     static, eager = Engine(lm, static=True), Engine(lm, static=False)
     prompts = load_prompts(args.prompts, args.bundled_prompts)
@@ -378,7 +382,7 @@ def main(args: argparse.Namespace) -> int:
     if "bundled" in sections:
         report["bundled"] = guarded("bundled", lambda: section_bundled(args, dev))
     try:
-        report["plots"] = plot(report, out)
+        report["plots"] = plot(report, out) if report.get("roofline") else "none: no roofline section"
     except ImportError as exc:
         report["plots"] = f"none: {exc}"
     report["seconds"] = time.perf_counter() - t0
