@@ -33,7 +33,11 @@ def wanted(device: torch.device) -> bool:
 
 
 def graphs_wanted(device: torch.device) -> bool:
-    """CUDA graphs on CUDA unless FASTDLLM_GRAPHS=0 (static shapes without capture, for debugging)."""
+    """CUDA graphs on CUDA unless FASTDLLM_GRAPHS=0 (static shapes without capture, for debugging), and not on
+    Hugging Face ZeroGPU (SPACES_ZERO_GPU set): there each request runs in a process that holds the GPU only
+    for that call, so graphs captured in one call would not outlive it."""
+    if os.environ.get("SPACES_ZERO_GPU"):
+        return False
     return device.type == "cuda" and os.environ.get("FASTDLLM_GRAPHS", "1").strip() != "0"
 
 
