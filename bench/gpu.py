@@ -42,8 +42,9 @@ def shape_cfg(name: str) -> dict[str, Any]:
     return TINY if name == "tiny" else SHAPES[name]
 
 
-def random_model(shape: str, device: torch.device, dtype: torch.dtype):
-    """Our CausalLM with N(0, 0.02) weights (HF's initializer_range), unit norms: finite logits in bf16."""
+def random_weights(shape: str, device: torch.device, dtype: torch.dtype):
+    """Our CausalLM with N(0, 0.02) weights (HF's initializer_range) and unit norms, in the plain layout: unlike
+    roofline.random_model (default init, packed on CPU) its logits are sane in bf16 and it saves as a checkpoint."""
     from engine.config import ModelConfig
     from engine.model import CausalLM
 
@@ -73,7 +74,7 @@ def static_at_width(model, k: int, prefix: int, device: torch.device, iters: int
 
 
 def section_roofline(shape: str, args, dev: torch.device, dtype: torch.dtype, gbps: float, peak: float | None):
-    model = random_model(shape, dev, dtype)
+    model = random_weights(shape, dev, dtype)
     wbytes = weight_bytes(model)
     roof_s = wbytes / (gbps * 1e9)
     rows = []
@@ -104,7 +105,7 @@ def write_checkpoint(shape: str, out: Path, dtype: torch.dtype, device: torch.de
            "tie_word_embeddings": c["tie_word_embeddings"], "use_sliding_window": False, "attention_dropout": 0.0,
            "bos_token_id": None, "eos_token_id": eos_id, "pad_token_id": 0, "torch_dtype": str(dtype).removeprefix("torch.")}
     (out / "config.json").write_text(json.dumps(cfg, indent=1))
-    model = random_model(shape, device, dtype)
+    model = random_weights(shape, device, dtype)
     state = {k: v.contiguous().cpu() for k, v in model.state_dict().items()
              if not (c["tie_word_embeddings"] and k == "lm_head.weight")}
     save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})

@@ -76,3 +76,24 @@ def test_static_path_env_default(monkeypatch):
     monkeypatch.delenv("SPACES_ZERO_GPU")
     monkeypatch.setenv("FASTDLLM_GRAPHS", "0")
     assert not graphs_wanted(cuda)
+
+
+@pytest.mark.parametrize("prompt_len,block,sub,cache", [
+    (5, 16, 4, "dual"), (16, 16, 4, "dual"), (17, 16, 4, "dual"), (17, 16, 16, "dual"), (32, 32, 8, "dual"),
+    (16, 16, 4, "block"), (17, 16, 8, "block"),
+])
+def test_static_path_on_the_block_grid(tiny_fast_dllm, prompt_len, block, sub, cache):
+    """Toy Fast-dLLM checkpoint (random weights, seconds): prompts shorter than, equal to and one past a block,
+    sub-block = block (the sub-step window then needs a pad slot), several blocks: the eager path's tokens
+    and forward counts, through both the static path's pads and its trash slot."""
+    from engine.loading import load
+
+    lm = load(str(tiny_fast_dllm), "cpu", "float32")
+    eager, static = Engine(lm, static=False), Engine(lm, static=True)
+    ids = [[100 + (7 * i) % 900 for i in range(prompt_len)], [200 + i for i in range(prompt_len + 3)]]
+    cfg = eager.decode_config(mode="diffusion", cache=cache, block_size=block, sub_block_size=sub,
+                              max_new_tokens=37, stop_token_ids=(2**31 - 1,))
+    a = [r.summary for r in eager.generate_ids(ids, cfg, record=False)]
+    b = [r.summary for r in static.generate_ids(ids, cfg, record=False)]
+    assert [s.token_ids for s in b] == [s.token_ids for s in a]
+    assert [s.nfe for s in b] == [s.nfe for s in a] and all(s.answer_tokens == 37 for s in b)
