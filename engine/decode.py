@@ -95,6 +95,13 @@ class Decoder:
         both = torch.stack((tok.to(torch.float64), conf.to(torch.float64))).cpu()
         return both[0].long().tolist(), both[1].tolist()
 
+    def _write_tokens(self, seq: Tensor, writes: list[tuple[int, int, int]]) -> None:
+        """A step's committed (row, position, token) into the device sequence in one copy, not one per token."""
+        if writes:
+            n, width = len(writes), seq.shape[1]
+            both = torch.tensor([b * width + q for b, q, _ in writes] + [t for _, _, t in writes], device=seq.device)
+            seq.view(-1).scatter_(0, both[:n], both[n:])
+
     def _commit(self, row: Row, q: int, tok: int, conf: float, out: list[Token]) -> None:
         row.answer[q - row.prompt_len] = tok
         out.append(Token(q - row.prompt_len, tok, self.tb.piece(tok), conf))
@@ -193,19 +200,21 @@ class Decoder:
         live, kind = rows, "prefill"
         while live:
             tok, conf = self._sample(logits[:, -1])
+            writes: list[tuple[int, int, int]] = []
             for b, (r, t, c) in enumerate(zip(live, *self._to_host(tok, conf))):
                 r.nfe += 1
                 q = r.prompt_len + r.emitted_ar
                 r.emitted_ar += 1
                 committed: list[Token] = []
                 self._commit(r, q, t, c, committed)
-                seq[b, q] = t
+                writes.append((b, q, t))
                 self._emit(kind, r, -1, committed, [])
                 if r.stop_at is not None:
                     self._finish(r, "stop_token")
                 elif q + 1 >= r.limit:
                     self._finish(r, "max_new_tokens")
             kind = "step"
+            self._write_tokens(seq, writes)
             live, seq = self._retire(live, seq, cache)
             if not live or self._cancelled(live):
                 live, seq = self._retire(live, seq, cache)
@@ -322,13 +331,14 @@ class Decoder:
         kinds = [kinds] * len(rows) if isinstance(kinds, str) else kinds
         tok, conf = self._sample(logits)
         tok_l, conf_l = self._to_host(tok, conf)
+        writes: list[tuple[int, int, int]] = []
         for b, (r, kind, tq) in enumerate(zip(rows, kinds, targets)):
             r.nfe += 1
             committed: list[Token] = []
             if kind == "commit":
                 if tq:  # the clean block's last logit gives the next block's first token
                     self._commit(r, tq[0], tok_l[b][0], conf_l[b][0], committed)
-                    seq[b, tq[0]] = tok_l[b][0]
+                    writes.append((b, tq[0], tok_l[b][0]))
                 r.block_start += bs
                 r.refreshed_sub = -1
                 self._emit("commit", r, -1, committed, [])
@@ -344,12 +354,13 @@ class Decoder:
                 for j, q in enumerate(tq):
                     if j < n_sub and chosen[j]:
                         self._commit(r, q, tok_l[b][j], conf_l[b][j], committed)
-                        seq[b, q] = tok_l[b][j]
+                        writes.append((b, q, tok_l[b][j]))
                     elif self.listener is not None:
                         t = tok_l[b][j]
                         masked.append(Token(q - r.prompt_len, t, self.tb.piece(t), conf_l[b][j]))
                 self._emit("prefill" if kind == "prefill" else "step", r, k, committed, masked)
             self._check_done(r)
+        self._write_tokens(seq, writes)
 
     def _check_done(self, r: Row) -> None:
         if r.done:
