@@ -1,0 +1,61 @@
+"""What the loaded model measured, read from the adapter's model card (assets/MODEL_CARD.md front matter).
+
+The numbers are data, not code: the card's YAML front matter holds the bundled adapter's measured accuracy and
+tokens per forward (from `python -m bench quality`). They are shown only when the loaded adapter is the one the
+card describes (its metadata's training step matches), so a retrained or foreign adapter never borrows them.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+from safetensors import safe_open
+
+CARD = Path(__file__).resolve().parent.parent / "assets" / "MODEL_CARD.md"
+PAPER_URL = "https://arxiv.org/abs/2509.26328"
+
+
+@dataclass(frozen=True)
+class Measured:
+    """One adapter's measured quality: AR base accuracy and, per threshold, diffusion accuracy + tokens/forward."""
+
+    source: str
+    set: str
+    ar_accuracy: float
+    by_threshold: dict[float, tuple[float, float]]  # threshold -> (accuracy, tokens per forward on long answers)
+
+    def at(self, threshold: float) -> tuple[float, float] | None:
+        return self.by_threshold.get(round(float(threshold), 2))
+
+
+def front_matter(path: Path = CARD) -> dict[str, Any]:
+    """The YAML between the card's leading '---' lines ({} when there is none)."""
+    text = path.read_text(encoding="utf-8")
+    if not text.startswith("---\n"):
+        return {}
+    end = text.find("\n---\n", 4)
+    if end < 0:
+        return {}
+    return yaml.safe_load(text[4:end]) or {}
+
+
+def adapter_step(adapter: Path | None) -> str | None:
+    """The training step recorded in an adapter file's metadata (None without an adapter or metadata)."""
+    if adapter is None or not Path(adapter).is_file():
+        return None
+    with safe_open(str(adapter), "pt") as f:
+        return (f.metadata() or {}).get("step")
+
+
+def measured_for(adapter: Path | None, path: Path = CARD) -> Measured | None:
+    """The card's measurements when `adapter` is the adapter the card describes, else None."""
+    fm = front_matter(path)
+    m = fm.get("measured")
+    step = adapter_step(adapter)
+    if not m or step is None or str(fm.get("adapter_step")) != step:
+        return None
+    rows = {round(float(r["threshold"]), 2): (float(r["accuracy"]), float(r["tokens_per_forward_long"]))
+            for r in m["diffusion"]}
+    return Measured(str(m["source"]), str(m["set"]), float(m["ar_accuracy"]), rows)
