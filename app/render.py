@@ -85,12 +85,11 @@ def banner_html(lm: Any, can_diffuse: bool, title: str = "", measured: Measured 
                 'checkpoint. Chat runs in AR mode.</div>')
     elif measured is not None and measured.at(threshold):
         acc, tpf = measured.at(threshold)
-        note = (f'<div class="fd-honest" id="fd-honest"><b>Honest numbers for this demo model</b> (its model card, '
-                f'threshold {threshold:g}): <b>{tpf:.2f} tokens per forward</b> on long answers and '
-                f'<b>{_pct(acc / measured.ar_accuracy)} of its AR base\'s accuracy</b> ({acc:.3f} vs '
-                f'{measured.ar_accuracy:.3f}, {esc(measured.set.split(";")[0])}). Trained for one hour on a CPU, '
-                'it shows the mechanics, not the paper\'s speed-ups: at ~1 token per forward, diffusion is slower '
-                'than AR here. Lower thresholds commit more tokens per forward at a cost in accuracy.</div>')
+        note = (f'<div class="fd-honest" id="fd-honest"><b>Honest numbers:</b> this small demo model (one hour of '
+                f'CPU training) decodes <b>{tpf:.2f} tokens per forward</b> and keeps <b>{_pct(acc / measured.ar_accuracy)}'
+                f' of its AR base\'s accuracy</b> at threshold {threshold:g} ({acc:.3f} vs {measured.ar_accuracy:.3f} '
+                f'on {esc(measured.set.split(" (")[0])}; model card). It shows the mechanics, not the paper\'s '
+                'speed-ups: at ~1 token per forward, diffusion is slower than AR here.</div>')
     elif lm.source.adapter:
         note = ('<div class="fd-honest" id="fd-honest">This adapter has no measurements in '
                 '<code>assets/MODEL_CARD.md</code>: run <code>python -m bench quality</code> to measure it.</div>')
@@ -102,30 +101,22 @@ def explain_html() -> str:
     return EXPLAIN.read_text(encoding="utf-8")
 
 
-def presets_html(presets: list[dict[str, Any]], measured: Measured | None, active: str | None) -> str:
-    """What each preset is expected to do, with the bundled adapter's measured numbers at its threshold."""
-    rows = []
-    for p in presets:
-        th = p["settings"].get("threshold")
-        m = measured.at(th) if measured is not None and th is not None else None
-        num = (f' <span class="fd-preset-num">measured here: {m[1]:.2f} tokens/forward, '
-               f'{_pct(m[0] / measured.ar_accuracy)} of AR accuracy</span>') if m else ""
-        cls = "fd-preset-row fd-preset-on" if p["id"] == active else "fd-preset-row"
-        rows.append(f'<div class="{cls}" data-preset="{esc(p["id"])}"><b>{esc(p["label"])}</b> '
-                    f'{esc(p["effect"])}{num}</div>')
-    return f'<div class="fd-presets">{"".join(rows)}</div>'
-
-
-def _as_dict(s: Summary | dict[str, Any]) -> dict[str, Any]:
-    return s if isinstance(s, dict) else asdict(s)
-
-
-def _fmt(v: float, digits: int = 2) -> str:
-    return f"{v:,.{digits}f}"
-
-
-def _duration(seconds: float) -> str:
-    return f"{seconds * 1000:.0f} ms" if seconds < 1 else f"{seconds:.2f} s"
+def presets_html(presets: list[dict[str, Any]], measured: Measured | None, strategy: str, threshold: float) -> str:
+    """One line on what the current threshold is expected to do: the matching preset's effect (else the custom
+    value), with the bundled adapter's measured tokens/forward and accuracy at that threshold when known."""
+    active = next((p for p in presets if p["settings"].get("strategy", "threshold") == strategy
+                   and abs(float(p["settings"].get("threshold", -1)) - threshold) < 1e-9), None)
+    if active is not None:
+        head = f'<b>{esc(active["label"])}</b> {esc(active["effect"])}'
+    elif strategy == "factor":
+        head = "<b>Factor strategy</b> commits the largest n tokens with (n+1)(1-c<sub>n</sub>) &lt; factor."
+    else:
+        head = f"<b>Custom threshold {threshold:g}</b>: lower commits more tokens per forward, higher is more careful."
+    m = measured.at(threshold) if measured is not None and strategy == "threshold" else None
+    num = (f' <span class="fd-preset-num">Measured on this model: {m[1]:.2f} tokens/forward, '
+           f'{_pct(m[0] / measured.ar_accuracy)} of AR accuracy.</span>') if m else ""
+    data = f' data-preset="{esc(active["id"])}"' if active is not None else ""
+    return f'<div class="fd-presets"{data}>{head}{num}</div>'
 
 
 def spread(values: list[float]) -> tuple[float, float, float]:

@@ -133,15 +133,6 @@ def _replay_outputs(traces: list[dict], index: int) -> tuple[Any, str, Any, Any,
             gr.update(value=e["path"], interactive=True), meta)
 
 
-def _preset_active(strategy: str, threshold: float) -> str | None:
-    """The preset the current settings match, if any."""
-    for p in PRESETS:
-        want = p["settings"]
-        if want.get("strategy", strategy) == strategy and abs(float(want.get("threshold", threshold)) - threshold) < 1e-9:
-            return p["id"]
-    return None
-
-
 def build(studio: Studio) -> gr.Blocks:
     eng = studio.engine
     lm = eng.lm
@@ -158,9 +149,10 @@ def build(studio: Studio) -> gr.Blocks:
 
         with gr.Row(equal_height=False, elem_id="fd-main"):
             with gr.Column(scale=4, min_width=340, elem_id="fd-chat-col"):
-                chatbot = gr.Chatbot(label="Chat", height=430, elem_id="fd-chat", buttons=["copy"],
-                                     feedback_options=None, placeholder="Ask something: the answer is decoded "
-                                     "block by block, several tokens per forward when the model is confident.")
+                chatbot = gr.Chatbot(label="Chat", height=380, elem_id="fd-chat", buttons=["copy"],
+                                     feedback_options=None, examples=[{"text": e} for e in EXAMPLES],
+                                     placeholder="Ask something, or pick an example: the answer is decoded block "
+                                                 "by block, several tokens per forward when the model is confident.")
                 with gr.Row(elem_id="fd-compose"):
                     msg = gr.Textbox(placeholder="Message (Enter sends, Shift+Enter for a new line)", show_label=False,
                                      scale=8, lines=1, max_lines=6, elem_id="fd-msg", autofocus=True, container=False)
@@ -172,8 +164,7 @@ def build(studio: Studio) -> gr.Blocks:
                                              elem_id=f"fd-preset-{p['id']}", elem_classes=["fd-preset-btn"],
                                              interactive=eng.can_diffuse) for p in PRESETS]
                     clear = gr.Button("Clear chat", size="sm", scale=0, min_width=90, elem_id="fd-clear")
-                presets_info = gr.HTML(render.presets_html(PRESETS, measured, _preset_active(d["strategy"],
-                                                                                             d["threshold"])),
+                presets_info = gr.HTML(render.presets_html(PRESETS, measured, d["strategy"], d["threshold"]),
                                        js_on_load=None, elem_id="fd-presets", visible=eng.can_diffuse)
                 with gr.Accordion("Decoding settings", open=False, elem_id="fd-settings"):
                     with gr.Row():
@@ -203,7 +194,6 @@ def build(studio: Studio) -> gr.Blocks:
                         seed = gr.Number(value=d["seed"], precision=0, minimum=-1, label="seed", info=INFO["seed"])
                     system = gr.Textbox(value=d["system_prompt"], label="system prompt", info=INFO["system_prompt"],
                                         lines=1)
-                gr.Examples(examples=[[e] for e in EXAMPLES], inputs=[msg], label="Examples")
             with gr.Column(scale=6, min_width=340, elem_id="fd-live-col"):
                 live = gr.HTML(render.live_clear(), html_template=LIVE_TEMPLATE, elem_id="fd-live",
                                js_on_load=_live_js("Send a message to watch the blocks denoise."),
@@ -280,7 +270,7 @@ def build(studio: Studio) -> gr.Blocks:
         strategy.change(lambda s: (gr.update(visible=s == "threshold"), gr.update(visible=s == "factor")),
                         strategy, [threshold, factor], **private)
         gr.on([threshold.change, strategy.change],
-              lambda s, t: render.presets_html(PRESETS, measured, _preset_active(s, float(t))),
+              lambda s, t: render.presets_html(PRESETS, measured, s, float(t)),
               [strategy, threshold], presets_info, **private)
         for p, b in zip(PRESETS, preset_btns):
             b.click(lambda p=p: (gr.update(value=p["settings"].get("strategy", "threshold")),
@@ -356,9 +346,17 @@ def build(studio: Studio) -> gr.Blocks:
                    meters: render.meters_html(result.summary, f"{prep.cfg.mode} · engine time", ar, note),
                    traces: new_trs, replay_pick: pick, player: pl, heatmap: hm, download: dl, replay_meta: meta}
 
-        gr.on([msg.submit, send.click], chat_ui, [msg, convo, traces, *widgets], chat_outputs,
-              api_visibility="private", **ENGINE).then(
-            lambda: (gr.update(interactive=True), gr.update(interactive=False)), None, [send, stop], **private)
+        chat_args = ([msg, convo, traces, *widgets], chat_outputs)
+        idle = (lambda: (gr.update(interactive=True), gr.update(interactive=False)), None, [send, stop])
+        quiet = dict(api_visibility="private", show_progress="hidden", **ENGINE)  # the live view shows progress
+        gr.on([msg.submit, send.click], chat_ui, *chat_args, **quiet).then(*idle, **private)
+
+        def pick_example(e: gr.SelectData) -> str:
+            return e.value["text"]
+
+        # the examples shown in the empty chat: a click sends that message
+        chatbot.example_select(pick_example, None, msg, **private).then(chat_ui, *chat_args, **quiet).then(
+            *idle, **private)
 
         def stop_run(request: gr.Request) -> None:
             request_stop(request.session_hash)
@@ -445,8 +443,7 @@ def build(studio: Studio) -> gr.Blocks:
                 new_trs = _entry(r.trace, new_trs, "race · ", _key(preps[0]))
             yield {traces: new_trs, **dict(zip(replay_outputs, _replay_outputs(new_trs, len(new_trs) - 1)))}
 
-        race_btn.click(race_ui, [race_msg, race_reps, traces, *widgets], race_outputs, api_visibility="private",
-                       **ENGINE).then(lambda: gr.update(interactive=True), None, race_btn, **private)
+        race_btn.click(race_ui, [race_msg, race_reps, traces, *widgets], race_outputs, **quiet).then(lambda: gr.update(interactive=True), None, race_btn, **private)
 
         # ------------------------------------------------------------------ sweep
         def sweep_ui(request: gr.Request, message: str, ths: list, bss: list, reps: Any, *values: Any):
@@ -485,8 +482,7 @@ def build(studio: Studio) -> gr.Blocks:
                 yield {sweep_plot: plots.sweep_figure(rows), sweep_table: [[r[c] for c in SWEEP_COLUMNS] for r in rows]}
 
         sweep_btn.click(sweep_ui, [sweep_msg, sweep_th, sweep_bs, sweep_reps, *widgets],
-                        [sweep_plot, sweep_table, sweep_btn, sweep_stop, sweep_status], api_visibility="private",
-                        **ENGINE).then(lambda: (gr.update(interactive=True, value="Run sweep"),
+                        [sweep_plot, sweep_table, sweep_btn, sweep_stop, sweep_status], **quiet).then(lambda: (gr.update(interactive=True, value="Run sweep"),
                                                 gr.update(interactive=False)), None, [sweep_btn, sweep_stop], **private)
 
         api.register(studio, d)
@@ -509,8 +505,13 @@ def queue_kwargs(max_size: int | None = None) -> dict[str, Any]:
 def launch_kwargs() -> dict[str, Any]:
     """css / head / theme for launch() (Gradio 6 takes them there, not in Blocks)."""
     js = (STATIC / "studio.js").read_text(encoding="utf-8")
-    theme = gr.themes.Soft(primary_hue="blue", neutral_hue="slate",
+    # indigo accent on slate: the banner, the active sub-block and the buttons share it; dark surfaces are
+    # stepped (page < panel < card) so panels read as panels in both themes
+    theme = gr.themes.Soft(primary_hue="indigo", secondary_hue="indigo", neutral_hue="slate", radius_size="md",
                            font=["ui-sans-serif", "system-ui", "sans-serif"],
-                           font_mono=["ui-monospace", "SFMono-Regular", "Menlo", "monospace"])
+                           font_mono=["ui-monospace", "SFMono-Regular", "Menlo", "monospace"]).set(
+        body_background_fill="*neutral_50", body_background_fill_dark="#0b1120",
+        block_background_fill_dark="*neutral_900", background_fill_secondary_dark="#141c2f",
+        block_border_width="1px", block_shadow="0 1px 2px rgba(15, 23, 42, 0.06)", block_shadow_dark="none")
     return {"css": (STATIC / "studio.css").read_text(encoding="utf-8"), "head": f"<script>{js}</script>",
             "theme": theme, "footer_links": ["api", "gradio"], "max_file_size": MAX_TRACE_BYTES + 2**20}
