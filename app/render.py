@@ -119,6 +119,18 @@ def presets_html(presets: list[dict[str, Any]], measured: Measured | None, strat
     return f'<div class="fd-presets"{data}>{head}{num}</div>'
 
 
+def _as_dict(s: Summary | dict[str, Any]) -> dict[str, Any]:
+    return s if isinstance(s, dict) else asdict(s)
+
+
+def _fmt(v: float, digits: int = 2) -> str:
+    return f"{v:,.{digits}f}"
+
+
+def _duration(seconds: float) -> str:
+    return f"{seconds * 1000:.0f} ms" if seconds < 1 else f"{seconds:.2f} s"
+
+
 def spread(values: list[float]) -> tuple[float, float, float]:
     """(median, min, max) of repeated measurements."""
     return statistics.median(values), min(values), max(values)
