@@ -55,7 +55,7 @@
     const p = el("span", "fd-cell fd-prompt fd-legend-cell");
     p.append(el("span", "fd-tok", "·"));
     item(p, el("span", "fd-legend-k", "prompt"));
-    const c = el("span", "fd-cell fd-done fd-legend-cell fd-legend-tok");
+    const c = el("span", "fd-cell fd-legend-cell fd-legend-tok");
     c.style.background = confColour(0.95, 0.35);
     c.append(el("span", "fd-tok", "sea"), el("span", "fd-step", "3"));
     item(c, el("span", "fd-legend-k", "committed at forward 3"));
