@@ -25,6 +25,8 @@ class Measured:
     set: str
     ar_accuracy: float
     by_threshold: dict[float, tuple[float, float]]  # threshold -> (accuracy, tokens per forward on long answers)
+    train_minutes: float | None = None  # from the adapter's metadata
+    tokens_seen: int | None = None
 
     def at(self, threshold: float) -> tuple[float, float] | None:
         return self.by_threshold.get(round(float(threshold), 2))
@@ -41,21 +43,23 @@ def front_matter(path: Path = CARD) -> dict[str, Any]:
     return yaml.safe_load(text[4:end]) or {}
 
 
-def adapter_step(adapter: Path | None) -> str | None:
-    """The training step recorded in an adapter file's metadata (None without an adapter or metadata)."""
+def adapter_meta(adapter: Path | None) -> dict[str, str]:
+    """An adapter file's metadata: training step, seconds, tokens seen ({} without an adapter)."""
     if adapter is None or not Path(adapter).is_file():
-        return None
+        return {}
     with safe_open(str(adapter), "pt") as f:
-        return (f.metadata() or {}).get("step")
+        return f.metadata() or {}
 
 
 def measured_for(adapter: Path | None, path: Path = CARD) -> Measured | None:
     """The card's measurements when `adapter` is the adapter the card describes, else None."""
     fm = front_matter(path)
     m = fm.get("measured")
-    step = adapter_step(adapter)
-    if not m or step is None or str(fm.get("adapter_step")) != step:
+    meta = adapter_meta(adapter)
+    if not m or meta.get("step") is None or str(fm.get("adapter_step")) != meta["step"]:
         return None
     rows = {round(float(r["threshold"]), 2): (float(r["accuracy"]), float(r["tokens_per_forward_long"]))
             for r in m["diffusion"]}
-    return Measured(str(m["source"]), str(m["set"]), float(m["ar_accuracy"]), rows)
+    minutes = float(meta["train_seconds"]) / 60 if "train_seconds" in meta else None
+    tokens = int(meta["tokens_seen"]) if "tokens_seen" in meta else None
+    return Measured(str(m["source"]), str(m["set"]), float(m["ar_accuracy"]), rows, minutes, tokens)

@@ -83,7 +83,8 @@ def heatmap_figure(trace: Trace | None) -> go.Figure:
         colorbar=dict(title=dict(text="confidence"), thickness=12), xgap=1, ygap=1, hoverongaps=False))
     fig.add_trace(go.Scatter(x=cx, y=cy, mode="markers", name="commit", customdata=ctext,
                              marker=dict(symbol="square-open", size=9, color="#e8413c", line=dict(width=1.5)),
-                             hovertemplate="committed at forward %{y}: answer token %{x}<br>%{customdata}<extra></extra>"))
+                             hovertemplate="committed at forward %{y}: answer token %{x}<br>%{customdata}"
+                                           "<extra></extra>"))
     cfg = trace.header.get("config", {})
     title = (f"confidence while masked · {cfg.get('mode', '?')} · block {cfg.get('block_size')} / "
              f"sub-block {cfg.get('sub_block_size')} · threshold {cfg.get('threshold')}")
@@ -118,6 +119,6 @@ def sweep_figure(rows: list[dict[str, Any]]) -> go.Figure:
                 hovertemplate=("threshold %{x}<br>%{y:.2f}<br>NFE %{customdata[0]} · %{customdata[1]} tokens · "
                                "%{customdata[2]} run(s)<extra>block " + str(bs) + "</extra>")), row=1, col=col)
     fig = _layout(fig, "", 380)
-    fig.update_xaxes(title="threshold")
+    fig.update_xaxes(title="threshold", range=[min(r["threshold"] for r in rows) - 0.05, 1.05])
     fig.update_yaxes(rangemode="tozero")
     return fig

@@ -59,7 +59,7 @@ def chat_display(convo: list[dict[str, Any]]) -> list[dict[str, str]]:
             continue
         text = escape_chat(m["content"]) if m["content"] else "*(empty answer)*"
         if m.get("stopped"):
-            text += "\n\n*⏹ stopped: the answer was cut off by Stop*"
+            text += "\n\n*(stopped: Stop cut the answer off here)*"
         out.append({"role": m["role"], "content": text})
     return out
 
@@ -77,7 +77,8 @@ def banner_html(lm: Any, can_diffuse: bool, title: str = "", measured: Measured 
     parts += [f'<span class="fd-model">{esc(lm.name + adapter)}</span>',
               f'<span class="fd-chip" title="why this model was chosen">{esc(lm.source.reason)}</span>',
               f'<span class="fd-chip">{esc(lm.device.type)}</span>', f'<span class="fd-chip">{esc(dtype)}</span>',
-              f'<a class="fd-chip fd-link" href="{PAPER_URL}" target="_blank" rel="noopener">paper: arXiv 2509.26328</a>']
+              f'<a class="fd-chip fd-link" href="{PAPER_URL}" target="_blank" rel="noopener">'
+              'paper: arXiv 2509.26328</a>']
     note = ""
     if not can_diffuse:
         note = ('<div class="fd-note">This model has no <code>|&lt;MASK&gt;|</code> token: block diffusion needs the '
@@ -85,10 +86,14 @@ def banner_html(lm: Any, can_diffuse: bool, title: str = "", measured: Measured 
                 'checkpoint. Chat runs in AR mode.</div>')
     elif measured is not None and measured.at(threshold):
         acc, tpf = measured.at(threshold)
-        note = (f'<div class="fd-honest" id="fd-honest"><b>Honest numbers:</b> this small demo model (one hour of '
-                f'CPU training) decodes <b>{tpf:.2f} tokens per forward</b> and keeps <b>{_pct(acc / measured.ar_accuracy)}'
-                f' of its AR base\'s accuracy</b> at threshold {threshold:g} ({acc:.3f} vs {measured.ar_accuracy:.3f} '
-                f'on {esc(measured.set.split(" (")[0])}; model card). It shows the mechanics, not the paper\'s '
+        trained = ""
+        if measured.train_minutes is not None and measured.tokens_seen is not None:
+            trained = (f" (trained {measured.train_minutes:.0f} min on {measured.tokens_seen / 1000:.0f}k tokens; "
+                       "the paper used ~1B)")
+        note = (f'<div class="fd-honest" id="fd-honest"><b>Honest numbers:</b> this small demo model{trained} '
+                f'decodes <b>{tpf:.2f} tokens per forward</b> and keeps <b>{_pct(acc / measured.ar_accuracy)} of its '
+                f'AR base\'s accuracy</b> at threshold {threshold:g} ({acc:.3f} vs {measured.ar_accuracy:.3f} on '
+                f'{esc(measured.set.split(" (")[0])}; model card). It shows the mechanics, not the paper\'s '
                 'speed-ups: at ~1 token per forward, diffusion is slower than AR here.</div>')
     elif lm.source.adapter:
         note = ('<div class="fd-honest" id="fd-honest">This adapter has no measurements in '

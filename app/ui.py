@@ -443,7 +443,8 @@ def build(studio: Studio) -> gr.Blocks:
                 new_trs = _entry(r.trace, new_trs, "race · ", _key(preps[0]))
             yield {traces: new_trs, **dict(zip(replay_outputs, _replay_outputs(new_trs, len(new_trs) - 1)))}
 
-        race_btn.click(race_ui, [race_msg, race_reps, traces, *widgets], race_outputs, **quiet).then(lambda: gr.update(interactive=True), None, race_btn, **private)
+        race_btn.click(race_ui, [race_msg, race_reps, traces, *widgets], race_outputs, **quiet).then(
+            lambda: gr.update(interactive=True), None, race_btn, **private)
 
         # ------------------------------------------------------------------ sweep
         def sweep_ui(request: gr.Request, message: str, ths: list, bss: list, reps: Any, *values: Any):
@@ -473,7 +474,7 @@ def build(studio: Studio) -> gr.Blocks:
                         release(key, flag)
                     assert res is not None
                     if res.summary.stop_reason == render.STOPPED:
-                        yield {sweep_status: f'<div class="fd-stopped-note">⏹ Stopped after {len(rows)} of '
+                        yield {sweep_status: f'<div class="fd-stopped-note">Stopped after {len(rows)} of '
                                              f'{len(plan)} points: the plot shows the finished ones.</div>'}
                         return
                     results.append(res)
@@ -482,8 +483,9 @@ def build(studio: Studio) -> gr.Blocks:
                 yield {sweep_plot: plots.sweep_figure(rows), sweep_table: [[r[c] for c in SWEEP_COLUMNS] for r in rows]}
 
         sweep_btn.click(sweep_ui, [sweep_msg, sweep_th, sweep_bs, sweep_reps, *widgets],
-                        [sweep_plot, sweep_table, sweep_btn, sweep_stop, sweep_status], **quiet).then(lambda: (gr.update(interactive=True, value="Run sweep"),
-                                                gr.update(interactive=False)), None, [sweep_btn, sweep_stop], **private)
+                        [sweep_plot, sweep_table, sweep_btn, sweep_stop, sweep_status], **quiet).then(
+            lambda: (gr.update(interactive=True, value="Run sweep"), gr.update(interactive=False)), None,
+            [sweep_btn, sweep_stop], **private)
 
         api.register(studio, d)
     return demo
