@@ -154,7 +154,7 @@ def build(studio: Studio) -> gr.Blocks:
                                      placeholder="Ask something, or pick an example: the answer is decoded block "
                                                  "by block, several tokens per forward when the model is confident.")
                 with gr.Row(elem_id="fd-compose"):
-                    msg = gr.Textbox(placeholder="Message (Enter sends, Shift+Enter for a new line)", show_label=False,
+                    msg = gr.Textbox(placeholder="Message (Enter sends)", show_label=False,
                                      scale=8, lines=1, max_lines=6, elem_id="fd-msg", autofocus=True, container=False)
                     send = gr.Button("Send", variant="primary", scale=1, min_width=64, elem_id="fd-send")
                     stop = gr.Button("Stop", variant="stop", scale=1, min_width=64, interactive=False,
