@@ -221,7 +221,8 @@ def build(studio: Studio) -> gr.Blocks:
                             "**alternate: diffusion, AR, diffusion, AR, …**; the meters show the median run, the "
                             "tokens/s range over the repeats, all on engine time.")
                 with gr.Row():
-                    race_msg = gr.Textbox(value=EXAMPLES[1], show_label=False, scale=6, placeholder="Prompt to race")
+                    race_msg = gr.Textbox(value=EXAMPLES[1], show_label=False, scale=6, placeholder="Prompt to race",
+                                          elem_id="fd-race-msg")
                     race_reps = gr.Slider(1, MAX_REPEATS, value=3, step=1, label="runs each", scale=2,
                                           elem_id="fd-race-reps")
                     race_btn = gr.Button("Race", variant="primary", scale=1, interactive=eng.can_diffuse,
@@ -246,7 +247,8 @@ def build(studio: Studio) -> gr.Blocks:
                             "as in Decoding settings: how tokens/s and tokens per forward move with the threshold. "
                             "Each point is the median of its runs; bars show the tokens/s range.")
                 with gr.Row():
-                    sweep_msg = gr.Textbox(value=EXAMPLES[0], show_label=False, scale=4, placeholder="Prompt to sweep")
+                    sweep_msg = gr.Textbox(value=EXAMPLES[0], show_label=False, scale=4, placeholder="Prompt to sweep",
+                                           elem_id="fd-sweep-msg")
                     sweep_th = gr.CheckboxGroup(list(SWEEP_THRESHOLDS), value=[0.5, 0.7, 0.9, 1.0], label="thresholds",
                                                 scale=3)
                     sweep_bs = gr.CheckboxGroup(list(BLOCK_SIZES), value=[d["block_size"]], label="block sizes",

@@ -60,6 +60,7 @@
     c.append(el("span", "fd-tok", "sea"), el("span", "fd-step", "3"));
     item(c, el("span", "fd-legend-k", "committed at forward 3"));
     item(el("span", "fd-legend-k fd-legend-hint", "same outline = same forward · click a token for details · Esc closes"));
+    item(el("span", "fd-legend-k fd-legend-wrap", "narrow screen: a block's sub-blocks wrap onto several lines"));
     return box;
   }
 

@@ -266,6 +266,30 @@ def test_stop_shows_a_stopped_state(page):
     assert "Stop pressed" in pg.locator("#fd-live .fd-status").inner_text()
     pg.wait_for_function("document.querySelector('#fd-chat').innerText.includes('stopped')", timeout=20_000)
     assert pg.locator('#fd-meters .fd-card[data-k="stop"] .fd-card-v').inner_text() == "stopped"
+
+
+def test_stopped_race_and_sweep_say_so(page):
+    """A race stopped during its diffusion run says the AR run never started; a stopped sweep keeps its points."""
+    pg = page  # still max 256 tokens at threshold 1.0: long enough to stop mid-run
+    pg.get_by_role("tab", name="Race").click()
+    pg.locator("#fd-race-msg textarea, #fd-race-msg input").first.fill("Count from one to fifty, one per line.")
+    pg.click("#fd-race")
+    pg.wait_for_function("document.querySelectorAll('#fd-race-d .fd-cell.fd-done').length >= 3", timeout=120_000)
+    pg.click("#fd-race-stop")
+    pg.wait_for_function("document.querySelector('#fd-race-meters').innerText.includes('Stopped during the "
+                         "diffusion run')", timeout=60_000)
+    assert pg.locator("#fd-race-d .fd-badge-stopped").count() == 1
+    assert "Not run" in pg.locator("#fd-race-ar").inner_text()
+    pg.get_by_role("tab", name="Sweep").click()
+    pg.locator("#fd-sweep-msg textarea, #fd-sweep-msg input").first.fill("Count from one to fifty, one per line.")
+    pg.click("#fd-sweep")
+    pg.wait_for_function("document.querySelector('#fd-sweep-stop') && !document.querySelector('#fd-sweep-stop')"
+                         ".disabled", timeout=60_000)
+    pg.wait_for_timeout(1500)
+    pg.click("#fd-sweep-stop")
+    pg.wait_for_selector("#fd-sweep-status .fd-stopped-note", timeout=60_000)
+    assert "Stopped after 0 of 4 points" in pg.locator("#fd-sweep-status").inner_text()
+    pg.wait_for_function("!document.querySelector('#fd-sweep').disabled", timeout=30_000)
     _settings(pg, **{"max-new": 8, "threshold": 0.9})
 
 
@@ -326,8 +350,9 @@ def test_phone_layout_shows_the_live_view_while_streaming(browser):
     """390 px wide: the live view starts within the first two screens and the page does not scroll sideways."""
     pg = _open(browser, 390, 844)
     try:
-        _send(pg, "Write a haiku about the sea.")
+        pg.locator("#fd-chat button[aria-label^='Select example 2']").click()  # an example sends itself
         pg.wait_for_selector("#fd-live .fd-badge-running", timeout=60_000)
+        assert "haiku" in pg.locator("#fd-chat").inner_text()
         top = pg.evaluate("document.querySelector('#fd-live').getBoundingClientRect().top + window.scrollY")
         assert top < 2 * 844, top
         assert pg.evaluate("document.documentElement.scrollWidth") <= 391
