@@ -95,6 +95,7 @@ def test_race_and_sweep(client, server):
     assert [(r["threshold"], r["block_size"], r["runs"]) for r in rows] == [(0.5, 16, 2), (1.0, 16, 2)]
     for r in rows:
         assert 0 < r["tokens_per_second_min"] <= r["tokens_per_second"] <= r["tokens_per_second_max"] and r["nfe"] > 0
+    assert client.predict("Hi", {"max_new_tokens": 4}, api_name="/race")["repeats"] == 1  # repeats is optional
     with pytest.raises(Exception, match=r"repeats: must be an integer in \[1, 5\]"):
         client.predict("Hi", {"max_new_tokens": 8}, 9, api_name="/race")
 
