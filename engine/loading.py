@@ -270,7 +270,8 @@ def save_adapter(path: Path, *, lora: dict[str, tuple[torch.Tensor, torch.Tensor
 def load_tokenizer(path: Path, add_mask_token: bool):
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(str(path))
+    # explicit False: a Fast_dLLM_Qwen config's auto_map would otherwise make transformers ask on stdin
+    tok = AutoTokenizer.from_pretrained(str(path), trust_remote_code=False)
     if add_mask_token and MASK_TOKEN not in tok.get_vocab():
         tok.add_special_tokens({"additional_special_tokens": [MASK_TOKEN]})
     return tok

@@ -113,7 +113,7 @@ def cmd_gpu(a: argparse.Namespace) -> None:
     if a.stage == "prepare":
         rep = gpu.prepare(a.reserve_mib, a.parts)
     elif a.stage == "weights":
-        rep = gpu.stage_weights(a.out)
+        rep = gpu.stage_weights(a.out, a.parts_dir)
     elif a.stage == "data":
         _threads(a.threads)
         rep = gpu.stage_data(a.out, _selfinstruct_config(a, a.dir))
@@ -256,6 +256,7 @@ def parser() -> argparse.ArgumentParser:
     gp.add_argument("--parts", type=int, default=None, help="number of parts (default: the fewest that fit)")
     gw = gs.add_parser("weights", formatter_class=fmt, help="device: join the GGUF once all parts are here, convert it")
     gw.add_argument("--out", type=Path, required=True, help="$OUT")
+    gw.add_argument("--parts-dir", type=Path, default=Path(".gl/gguf"), help="where the carried parts and parts.json are")
     gd = gs.add_parser("data", formatter_class=fmt, help="device: selfinstruct, then this command's shards to $OUT")
     gd.add_argument("--out", type=Path, required=True, help="$OUT")
     gd.add_argument("--dir", type=Path, default=Path("runs/gpu/data"), help="data directory on the device")

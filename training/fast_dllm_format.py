@@ -55,7 +55,6 @@ def config_json(model: CausalLM, dtype: str, mask_id: int, stop_id: int, pad_id:
         "max_position_embeddings": c.max_position_embeddings,
         "rms_norm_eps": c.rms_norm_eps,
         "rope_theta": c.rope_theta,
-        "rope_scaling": None,
         "tie_word_embeddings": c.tie_word_embeddings,
         "attention_dropout": 0.0,
         "initializer_range": 0.02,
@@ -87,4 +86,18 @@ def write(model: CausalLM, tokenizer, out_dir: Path, dtype: str = "bfloat16") ->
     gen = {"eos_token_id": stop_id, "pad_token_id": tokenizer.pad_token_id, "do_sample": False}
     (out_dir / "generation_config.json").write_text(json.dumps(gen, indent=1))
     tokenizer.save_pretrained(str(out_dir))
+    portable_tokenizer_config(out_dir / "tokenizer_config.json")
     return out_dir
+
+
+def portable_tokenizer_config(path: Path) -> None:
+    """Name the tokenizer class and the mask token so transformers 4.x (the paper's code pins 4.53) reads it too.
+
+    transformers 5 writes `TokenizersBackend` and a list under `extra_special_tokens`, which 4.x cannot
+    load; `PreTrainedTokenizerFast` + `additional_special_tokens` mean the same to both.
+    """
+    cfg = json.loads(path.read_text())
+    extra = cfg.pop("extra_special_tokens", None) or []
+    cfg["tokenizer_class"] = "PreTrainedTokenizerFast"
+    cfg["additional_special_tokens"] = sorted(set(cfg.get("additional_special_tokens", [])) | set(extra) | {MASK_TOKEN})
+    path.write_text(json.dumps(cfg, indent=1, ensure_ascii=False))

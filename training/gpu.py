@@ -9,6 +9,7 @@ work already done on the machine, and ends by copying its results into $OUT with
 from __future__ import annotations
 
 import gzip
+import hashlib
 import json
 import os
 import shutil
@@ -30,6 +31,8 @@ WHEELS = ("gguf==0.19.0",)  # pure Python; transformers reads the GGUF with it. 
 OUT_FILES, OUT_FILE_BYTES, OUT_BYTES = 8, 16 * MIB, 64 * MIB  # what $OUT may hand back per command
 SPLIT_BYTES = 15 * MIB  # part size for files too big for one $OUT file (a little under the limit)
 SLIM = "ckpt-slim.pt"
+FINGERPRINT_FILE = Path(__file__).resolve().parent / "data" / "base_fingerprint.json"
+FINGERPRINT_PROMPT = "Name three colors."
 
 
 # ------------------------------------------------------------------------------------------ $OUT
@@ -149,8 +152,29 @@ def device_info() -> dict:
     return info
 
 
+def fingerprint(base_dir: Path) -> dict:
+    """Token ids of a fixed chat prompt and the fp32 CPU argmax after each: catches a GGUF conversion or
+    tokenizer that differs on the device's transformers version before any GPU minute goes into it."""
+    from engine.loading import build_model, load_tokenizer
+
+    tok = load_tokenizer(base_dir, add_mask_token=False)
+    text = tok.apply_chat_template([{"role": "user", "content": FINGERPRINT_PROMPT}], add_generation_prompt=True,
+                                   tokenize=False)
+    ids = list(tok.encode(text, add_special_tokens=False))
+    model = build_model(base_dir, torch.device("cpu"), torch.float32)
+    with torch.no_grad():
+        logits = model(torch.tensor([ids]), torch.arange(len(ids))[None], causal=True)
+    return {"prompt_ids": ids, "argmax": logits[0].argmax(-1).tolist()}
+
+
 def stage_weights(out: Path, parts_dir: Path = PARTS_DIR) -> dict:
     rep = {"device": device_info(), **base_ready(parts_dir)}
+    if rep["base"] != "waiting for parts":
+        want = json.loads(FINGERPRINT_FILE.read_text())
+        got = fingerprint(Path(rep["path"]))
+        rep["fingerprint_matches"] = got == want
+        if got != want:
+            rep["fingerprint"] = got
     out.mkdir(parents=True, exist_ok=True)
     (out / "weights.json").write_text(json.dumps(rep, indent=1))
     return rep
@@ -169,12 +193,12 @@ def stage_data(out: Path, cfg, parts_dir: Path = PARTS_DIR) -> dict:
     packs, group, size = [], [], 0
     for p in new:  # merge this command's shards into few files (each a valid shard) for the 8-file limit
         if group and size + p.stat().st_size > SPLIT_BYTES:
-            packs.append(_pack(group, stage, len(packs)))
+            packs.append(_pack(group, stage))
             group, size = [], 0
         group.append(Shard.load(p))
         size += p.stat().st_size
     if group:
-        packs.append(_pack(group, stage, len(packs)))
+        packs.append(_pack(group, stage))
     magpie = cfg.out / "magpie.jsonl"
     files = [cfg.out / "manifest.json", *packs]
     if magpie.exists():
@@ -187,12 +211,14 @@ def stage_data(out: Path, cfg, parts_dir: Path = PARTS_DIR) -> dict:
             "run": manifest["runs"][-1], "out": col.files}
 
 
-def _pack(group, stage: Path, n: int) -> Path:
+def _pack(group, stage: Path) -> Path:
     from .selfinstruct import Shard
 
-    stamp = time.strftime("%Y%m%d%H%M%S")  # unique across commands, so unpacked packs never overwrite
-    path = stage / f"shard-{stamp}-{n:02d}.npz"
-    Shard.concat(group).save(path)
+    shard = Shard.concat(group)
+    # named by content: packs from different commands (or machines) never overwrite each other here
+    digest = hashlib.blake2b(shard.keys.tobytes(), digest_size=6).hexdigest()
+    path = stage / f"shard-{digest}.npz"
+    shard.save(path)
     return path
 
 

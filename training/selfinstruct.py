@@ -14,7 +14,7 @@ Directory layout (every step resumable and idempotent):
   shard-NNNNN.npz  answered prompts: keys, sources, prompt/answer lengths, stopped flags, token ids
   manifest.json    counts, generation speed, the filter rules, the shards
 Work already done is found by content (a hash of each prompt in the shards), not by position, so
-shards merged for transport (`pack_shards`) or copied back from another machine count as done.
+shards merged for transport (`gpu.stage_data`) or copied back from another machine count as done.
 """
 from __future__ import annotations
 
@@ -239,34 +239,6 @@ def answered_keys(out: Path) -> set[int]:
         with np.load(p) as z:
             keys.update(z["keys"].tolist())
     return keys
-
-
-def pack_shards(out: Path, dest: Path, max_bytes: int) -> list[Path]:
-    """Merge all shards into as few files of <= max_bytes as fit (each a valid shard), for $OUT."""
-    dest.mkdir(parents=True, exist_ok=True)
-    packs: list[Path] = []
-    group: list[Shard] = []
-    size = 0
-    for p in shard_paths(out):
-        s = Shard.load(p)
-        b = p.stat().st_size
-        if b > max_bytes:
-            raise ValueError(f"shard_examples: {p.name} is {b} bytes, over the {max_bytes}-byte file limit; "
-                             "answer with a smaller --shard-examples")
-        if group and size + b > max_bytes:
-            packs.append(_write_pack(group, dest, len(packs)))
-            group, size = [], 0
-        group.append(s)
-        size += b
-    if group:
-        packs.append(_write_pack(group, dest, len(packs)))
-    return packs
-
-
-def _write_pack(group: list[Shard], dest: Path, n: int) -> Path:
-    path = dest / f"shard-pack{n:03d}.npz"
-    Shard.concat(group).save(path)
-    return path
 
 
 # ------------------------------------------------------------------------------------------ answers
