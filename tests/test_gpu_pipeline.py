@@ -48,9 +48,12 @@ def block(tmp_path_factory):
     logs = {}
     main(["gpu", "data", "--out", str(root / "out1"), "--limit-prompts", "5", *data])
     logs["data1"] = json.loads((dev / "data" / "manifest.json").read_text())
+    (root / "out2").mkdir()
+    for i in range(6):  # other results sharing this command's $OUT (e.g. bench): room for 0 more files
+        (root / "out2" / f"other{i}.txt").write_text("x")
     main(["gpu", "data", "--out", str(root / "out2"), *data])  # 2 more prompts: only they are answered
     logs["data2"] = json.loads((dev / "data" / "manifest.json").read_text())
-    main(["gpu", "data", "--out", str(root / "out3"), *data])  # nothing left: a no-op
+    main(["gpu", "data", "--out", str(root / "out3"), *data])  # nothing to generate; sends what out2 held back
     logs["data3"] = json.loads((dev / "data" / "manifest.json").read_text())
     train = ["--data", str(dev / "data"), "--run", str(dev / "train"), "--minutes", "5"]
     main(["gpu", "train", "--out", str(root / "out4"), *train, "--", "--max-steps", "2", *TOY_TRAIN])
@@ -167,8 +170,10 @@ def test_selfinstruct_resumes_and_is_idempotent(block):
 
 
 def test_data_out_files_unpack_to_the_same_examples(block):
-    out1 = sorted(p.name for p in (block["root"] / "out1").iterdir())
-    assert out1[0] == "magpie.jsonl.gz" and "manifest.json" in out1 and any(n.startswith("shard-") for n in out1)
+    out = {n: sorted(p.name for p in (block["root"] / f"out{n}").iterdir()) for n in (1, 2, 3)}
+    assert out[1][0] == "magpie.jsonl.gz" and "manifest.json" in out[1] and any(n.startswith("shard-") for n in out[1])
+    assert len(out[2]) == 8 and not any(n.startswith("shard-") for n in out[2])  # no room: held back...
+    assert any(n.startswith("shard-") for n in out[3])  # ...and sent by the next command
     tok = load_tokenizer(bundled_base_dir(), add_mask_token=False)
     dev, _ = load_examples(block["dev"] / "data", tok, 2, max_len=256)
     here, _ = load_examples(block["here"] / "data", tok, 2, max_len=256)

@@ -181,40 +181,51 @@ def stage_weights(out: Path, parts_dir: Path = PARTS_DIR) -> dict:
 
 
 def stage_data(out: Path, cfg, parts_dir: Path = PARTS_DIR) -> dict:
-    """Self-instruct data (resumable), then this command's new shards, the manifest and the Magpie rounds to $OUT."""
-    from .selfinstruct import Shard, run
+    """Self-instruct data (resumable), then to $OUT: the manifest, the Magpie rounds and the shards not sent
+    yet, merged into packs (each a valid shard) as far as the file limits allow; the rest go next time."""
+    from .selfinstruct import Shard, run, shard_paths
 
     require_base(parts_dir)
     manifest = run(cfg)
-    new = [cfg.out / n for n in manifest["runs"][-1]["new_shards"]]
+    sent_file = cfg.out / "sent.json"  # shards already handed back by an earlier command on this machine
+    sent = set(json.loads(sent_file.read_text())) if sent_file.exists() else set()
     stage = cfg.out / ".out"
     shutil.rmtree(stage, ignore_errors=True)
     stage.mkdir()
-    packs, group, size = [], [], 0
-    for p in new:  # merge this command's shards into few files (each a valid shard) for the 8-file limit
-        if group and size + p.stat().st_size > SPLIT_BYTES:
+    files = [cfg.out / "manifest.json"]
+    if (cfg.out / "magpie.jsonl").exists():
+        with gzip.open(stage / "magpie.jsonl.gz", "wb") as g:
+            g.write((cfg.out / "magpie.jsonl").read_bytes())
+        files.append(stage / "magpie.jsonl.gz")
+    present = [f for f in out.rglob("*") if f.is_file()] if out.exists() else []
+    room_files = OUT_FILES - len(present) - len(files)
+    room_bytes = OUT_BYTES - sum(f.stat().st_size for f in present + files) - MIB
+    packs, group, size, held = [], [], 0, []
+    for p in (p for p in shard_paths(cfg.out) if p.name not in sent):
+        b = p.stat().st_size
+        if group and size + b > SPLIT_BYTES:  # close this pack
             packs.append(_pack(group, stage))
+            room_files, room_bytes = room_files - 1, room_bytes - size
             group, size = [], 0
-        group.append(Shard.load(p))
-        size += p.stat().st_size
+        if room_files < 1 or room_bytes < size + b:
+            held.append(p.name)
+            continue
+        group.append(p)
+        size += b
     if group:
         packs.append(_pack(group, stage))
-    magpie = cfg.out / "magpie.jsonl"
-    files = [cfg.out / "manifest.json", *packs]
-    if magpie.exists():
-        with gzip.open(stage / "magpie.jsonl.gz", "wb") as g:
-            g.write(magpie.read_bytes())
-        files.append(stage / "magpie.jsonl.gz")
-    col = collect(files, out)
+    col = collect(files + packs, out)
+    sent |= {p.name for p in shard_paths(cfg.out)} - set(held)
+    sent_file.write_text(json.dumps(sorted(sent)))
     shutil.rmtree(stage, ignore_errors=True)
     return {"examples": manifest["examples"], "answer_tokens": manifest["answer_tokens"],
-            "run": manifest["runs"][-1], "out": col.files}
+            "run": manifest["runs"][-1], "out": col.files, "shards_held_back": held}
 
 
-def _pack(group, stage: Path) -> Path:
+def _pack(group: list[Path], stage: Path) -> Path:
     from .selfinstruct import Shard
 
-    shard = Shard.concat(group)
+    shard = Shard.concat([Shard.load(p) for p in group])
     # named by content: packs from different commands (or machines) never overwrite each other here
     digest = hashlib.blake2b(shard.keys.tobytes(), digest_size=6).hexdigest()
     path = stage / f"shard-{digest}.npz"
