@@ -137,7 +137,8 @@ def _add_selfinstruct_options(s: argparse.ArgumentParser) -> None:
     s.add_argument("--batch-size", type=int, default=256, help="prompts answered together (greedy AR)")
     s.add_argument("--max-new-tokens", type=int, default=256, help="answer length cap")
     s.add_argument("--shard-examples", type=int, default=8192, help="answers per shard file (what a kill can lose)")
-    s.add_argument("--time-budget", type=float, default=None, help="start no new batch after this many seconds")
+    s.add_argument("--time-budget", type=float, default=None,
+                   help="start no new batch after this many seconds (Magpie sampling: half of it at most)")
     s.add_argument("--model", default="bundled-base", help="engine model spec of the AR base")
     s.add_argument("--seed", type=int, default=0, help="seeds the Magpie rounds")
     s.add_argument("--threads", type=int, default=1, help="torch CPU threads")

@@ -318,7 +318,9 @@ def run(cfg: SelfInstructConfig) -> dict:
     manifest = json.loads(mpath.read_text()) if mpath.exists() else {
         "format": FORMAT, "runs": [], "magpie_totals": {"tokens": 0, "seconds": 0.0},
         "answer_totals": {"answer_tokens": 0, "seconds": 0.0}}
-    mag = draw_magpie(engine, cfg, deadline) if cfg.magpie else {"drawn": 0, "tokens": 0, "seconds": 0.0}
+    # Magpie gets at most half the budget, so a slower machine than planned still answers prompts
+    magpie_deadline = t_start + cfg.time_budget_s / 2 if cfg.time_budget_s is not None else deadline
+    mag = draw_magpie(engine, cfg, magpie_deadline) if cfg.magpie else {"drawn": 0, "tokens": 0, "seconds": 0.0}
     prompts, counts = build_prompts(cfg)
     with (cfg.out / "prompts.jsonl").open("w") as f:
         for p, src in prompts:
