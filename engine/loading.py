@@ -24,6 +24,7 @@ from .model import CausalLM
 REPO_ROOT = Path(__file__).resolve().parent.parent
 BUNDLED_NAME = "SmolLM2-135M-Instruct"
 BUNDLED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+BUNDLED_CACHE_NAME = "smollm2-135m-instruct-q4_1"  # the converted base, under cache_dir()
 BUNDLED_ADAPTER = REPO_ROOT / "assets" / "fastdllm_adapter.safetensors"
 MASK_TOKEN = "|<MASK>|"
 ADAPTER_FORMAT = "fastdllm-adapter-v1"
@@ -143,7 +144,7 @@ def _gguf_path() -> Path:
 
 def bundled_base_dir() -> Path:
     """The GGUF base converted to a safetensors checkpoint directory, cached after the first call."""
-    out = cache_dir() / "smollm2-135m-instruct-q4_1"
+    out = cache_dir() / BUNDLED_CACHE_NAME
     if (out / "model.safetensors").exists() and (out / "config.json").exists():
         return out
     gguf = _gguf_path()

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from pathlib import Path
 
 import numpy as np
 import pytest

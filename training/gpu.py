@@ -117,9 +117,9 @@ def prepare(reserve_mib: float = 0.0, parts: int | None = None) -> dict:
 # ------------------------------------------------------------------------------------------ device stages
 def base_ready(parts_dir: Path = PARTS_DIR) -> dict:
     """Make the converted base exist on this machine: join the parts and convert, once; a no-op after."""
-    from engine.loading import bundled_base_dir, cache_dir
+    from engine.loading import BUNDLED_CACHE_NAME, bundled_base_dir, cache_dir
 
-    cached = cache_dir() / "smollm2-135m-instruct-q4_1" / "model.safetensors"
+    cached = cache_dir() / BUNDLED_CACHE_NAME / "model.safetensors"
     if cached.exists():
         return {"base": "cached", "path": str(cached.parent)}
     manifest = parts_dir / "parts.json"
@@ -183,7 +183,7 @@ def stage_weights(out: Path, parts_dir: Path = PARTS_DIR) -> dict:
 def stage_data(out: Path, cfg, parts_dir: Path = PARTS_DIR) -> dict:
     """Self-instruct data (resumable), then to $OUT: the manifest, the Magpie rounds and the shards not sent
     yet, merged into packs (each a valid shard) as far as the file limits allow; the rest go next time."""
-    from .selfinstruct import Shard, run, shard_paths
+    from .selfinstruct import run, shard_paths
 
     require_base(parts_dir)
     manifest = run(cfg)
