@@ -109,9 +109,19 @@ def test_part_count_fits_the_carry_limit():
         weights.part_count(weights.GGUF_BYTES, tree=40 * mib, reserve=20 * mib)
 
 
-def test_base_fingerprint_matches_the_cached_base():
-    """The device's `gpu weights` compares its conversion with this file; here it must match by construction."""
-    assert gpu.fingerprint(bundled_base_dir()) == json.loads(gpu.FINGERPRINT_FILE.read_text())
+def test_weights_stage_checks_the_base_fingerprint(tmp_path, monkeypatch):
+    """`gpu weights` compares the converted base with data/base_fingerprint.json: equal here by construction;
+    a differing base fails the command after its report."""
+    main(["gpu", "weights", "--out", str(tmp_path / "out")])
+    rep = json.loads((tmp_path / "out" / "weights.json").read_text())
+    assert rep["base"] == "cached" and rep["fingerprint_matches"] is True
+    other = json.loads(gpu.FINGERPRINT_FILE.read_text())
+    other["argmax"][-1] += 1
+    (tmp_path / "fp.json").write_text(json.dumps(other))
+    monkeypatch.setattr(gpu, "FINGERPRINT_FILE", tmp_path / "fp.json")
+    with pytest.raises(RuntimeError, match="converted base differs"):
+        main(["gpu", "weights", "--out", str(tmp_path / "out2")])
+    assert json.loads((tmp_path / "out2" / "weights.json").read_text())["fingerprint_matches"] is False
 
 
 def test_collect_splits_big_files_and_enforces_out_limits(tmp_path):

@@ -168,6 +168,10 @@ def fingerprint(base_dir: Path) -> dict:
 
 
 def stage_weights(out: Path, parts_dir: Path = PARTS_DIR) -> dict:
+    """Report (to $OUT/weights.json) which parts are here; once all are, join, convert and check the base.
+
+    A fingerprint that differs from this repo's fails the command (after the report), so `&&` keeps data
+    generation and training off a base that is not the one the repo was built with."""
     rep = {"device": device_info(), **base_ready(parts_dir)}
     if rep["base"] != "waiting for parts":
         want = json.loads(FINGERPRINT_FILE.read_text())
@@ -177,6 +181,8 @@ def stage_weights(out: Path, parts_dir: Path = PARTS_DIR) -> dict:
             rep["fingerprint"] = got
     out.mkdir(parents=True, exist_ok=True)
     (out / "weights.json").write_text(json.dumps(rep, indent=1))
+    if rep.get("fingerprint_matches") is False:
+        raise RuntimeError(f"weights: the converted base differs from {FINGERPRINT_FILE.name} (see $OUT/weights.json)")
     return rep
 
 
