@@ -249,6 +249,15 @@ def slim_checkpoint(ckpt: Path, dest: Path) -> Path:
     return dest
 
 
+def rates(steps: list[dict]) -> dict:
+    """Tokens per training second over a command's log records (the first step's time is its baseline)."""
+    secs = steps[-1]["elapsed_s"] - steps[0]["elapsed_s"] if len(steps) > 1 else 0.0
+    # a trainer that logs answer tokens apart from loss tokens is read as such; else every loss token is one
+    answer = "answer_tokens" if steps and all("answer_tokens" in r for r in steps) else "loss_tokens"
+    names = {"answer_tokens_per_s": answer, "sequence_tokens_per_s": "seq_tokens", "model_tokens_per_s": "forward_tokens"}
+    return {k: round(sum(r.get(key, 0) for r in steps[1:]) / secs, 1) if secs > 0 else None for k, key in names.items()}
+
+
 def stage_train(out: Path, data: Path, run: Path, minutes: float, trainer_args: list[str],
                 parts_dir: Path = PARTS_DIR) -> dict:
     """The trainer's own CLI for `minutes` (it resumes from `run`), then a slim checkpoint + log to $OUT."""
@@ -266,13 +275,10 @@ def stage_train(out: Path, data: Path, run: Path, minutes: float, trainer_args: 
     ckpt = latest_checkpoint(run)
     if ckpt is None:
         raise RuntimeError(f"train: no checkpoint in {run} after training")
-    secs = (steps[-1]["elapsed_s"] - steps[0]["elapsed_s"]) if len(steps) > 1 else 0.0
-    per = lambda key: round(sum(r.get(key, 0) for r in steps[1:]) / secs, 1) if secs > 0 else None  # noqa: E731
-    summary = {"device": device_info(), "steps_this_command": len(steps),
-               "step": steps[-1]["step"] if steps else None,
-               "loss_last": steps[-1]["loss"] if steps else None, "tokens_seen": steps[-1].get("tokens_seen") if steps else None,
-               "answer_tokens_per_s": per("loss_tokens"), "sequence_tokens_per_s": per("seq_tokens"),
-               "model_tokens_per_s": per("forward_tokens"), "wall_s": round(wall, 1), "checkpoint": ckpt.name}
+    last = steps[-1] if steps else {}
+    summary = {"device": device_info(), "steps_this_command": len(steps), "step": last.get("step"),
+               "loss_last": last.get("loss"), "tokens_seen": last.get("tokens_seen"), **rates(steps),
+               "wall_s": round(wall, 1), "checkpoint": ckpt.name}
     stage = run / ".out"
     shutil.rmtree(stage, ignore_errors=True)
     stage.mkdir()
