@@ -124,6 +124,19 @@ def test_weights_stage_checks_the_base_fingerprint(tmp_path, monkeypatch):
     assert json.loads((tmp_path / "out2" / "weights.json").read_text())["fingerprint_matches"] is False
 
 
+def test_runbook_table_is_the_plan():
+    """training/README.md lists exactly the calls `gpu prepare` prints, and each fits the device's limits."""
+    readme = (gpu.REPO / "training" / "README.md").read_text()
+    assert "P = " + gpu.PREFIX.strip() in readme
+    calls = gpu.plan([f"SmolLM2-135M-Instruct.Q4_1.gguf.part{k}of3" for k in (1, 2, 3)])
+    for n, c in enumerate(calls, 1):
+        assert len(c["command"]) <= 2000 and len(c["carry"]) <= 8 and c["timeout_s"] <= 600
+        row = next(line for line in readme.splitlines() if line.startswith(f"| {n} | "))
+        assert f"`P {c['command'][len(gpu.PREFIX):]}`" in row and f"| {c['timeout_s']} |" in row, n
+        assert all(f"`{path}`" in row for path in c["carry"]), n
+    assert sum(gpu.BENCH_SLOT in c["command"] for c in calls) == 2
+
+
 def test_collect_splits_big_files_and_enforces_out_limits(tmp_path):
     big = tmp_path / "big.bin"
     big.write_bytes(os.urandom(gpu.SPLIT_BYTES + 1000))

@@ -31,6 +31,15 @@ WHEELS = ("gguf==0.19.0",)  # pure Python; transformers reads the GGUF with it. 
 OUT_FILES, OUT_FILE_BYTES, OUT_BYTES = 8, 16 * MIB, 64 * MIB  # what $OUT may hand back per command
 SPLIT_BYTES = 15 * MIB  # part size for files too big for one $OUT file (a little under the limit)
 SLIM = "ckpt-slim.pt"
+# The block's device commands (training/README.md's table; a test keeps the two equal). Each starts with the
+# device README's wheel install; the bench slot is a trailing comment where issue 11's commands go.
+PREFIX = ("python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "
+          ".whl/*.whl && export PYTHONPATH=/tmp/site || exit; export PYTHONUNBUFFERED=1; ")
+BENCH_SLOT = "# ISSUE-11 BENCH SLOT: engine CUDA tests + roofline on random weights here (<= 2 min, <= 7 files in $OUT)"
+DATA_ARGS = "--magpie 30000 --magpie-batch 1024 --batch-size 512 --max-new-tokens 256 --time-budget 360 --threads 8"
+TRAIN_ARGS = ("--batch-size 64 --max-len 512 --rank 32 --alpha 64 --lr 3e-4 --warmup-steps 50 --epochs 6 "
+              "--save-every-s 120 --threads 8")
+TRAIN_MINUTES = (7, 6)
 FINGERPRINT_FILE = Path(__file__).resolve().parent / "data" / "base_fingerprint.json"
 FINGERPRINT_PROMPT = "Name three colors."
 
@@ -106,12 +115,26 @@ def prepare(reserve_mib: float = 0.0, parts: int | None = None) -> dict:
     tree = weights.tree_bytes(REPO)
     n = parts or weights.part_count(weights.GGUF_BYTES, tree, wheel_bytes + int(reserve_mib * MIB))
     ps = weights.split(gguf, PARTS_DIR, n)
-    rel = lambda p: str(p.relative_to(REPO))  # noqa: E731
-    carry = [[rel(WHEELS_DIR), rel(PARTS_DIR / "parts.json"), rel(PARTS_DIR / p.name)] for p in ps.parts]
     biggest = tree + wheel_bytes + max(p.bytes for p in ps.parts)
     return {"tree_mib": round(tree / MIB, 1), "wheels_mib": round(wheel_bytes / MIB, 2), "parts": len(ps.parts),
             "part_mib": round(max(p.bytes for p in ps.parts) / MIB, 1),
-            "largest_command_mib": round(biggest / MIB, 1), "carry_per_command": carry}
+            "largest_command_mib": round(biggest / MIB, 1), "calls": plan([p.name for p in ps.parts])}
+
+
+def plan(part_names: list[str]) -> list[dict]:
+    """The block's `run` calls in order: carry, command, timeout_s (the runbook's table)."""
+    rel = lambda p: str(p.relative_to(REPO))  # noqa: E731
+    calls = []
+    for k, name in enumerate(part_names):
+        last = k == len(part_names) - 1
+        cmd = PREFIX + "python3 -m training gpu weights --out $OUT"
+        cmd += f" && python3 -m training gpu data --out $OUT {DATA_ARGS}" if last else f"; {BENCH_SLOT}"
+        calls.append({"carry": [rel(WHEELS_DIR), rel(PARTS_DIR / "parts.json"), rel(PARTS_DIR / name)],
+                      "command": cmd, "timeout_s": 540 if last else 300})
+    for minutes in TRAIN_MINUTES:
+        calls.append({"carry": [rel(WHEELS_DIR)], "timeout_s": 60 * minutes + 120,
+                      "command": PREFIX + f"python3 -m training gpu train --out $OUT --minutes {minutes} -- {TRAIN_ARGS}"})
+    return calls
 
 
 # ------------------------------------------------------------------------------------------ device stages
