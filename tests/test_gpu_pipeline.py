@@ -216,7 +216,7 @@ def test_train_stage_resumes_and_returns_a_slim_checkpoint(block):
     assert len((block["here"] / "train" / "log.jsonl").read_text().splitlines()) >= 3
 
 
-def test_export_writes_fast_dllm_checkpoint_equal_to_base_plus_adapter(block, tmp_path, monkeypatch):
+def test_export_writes_fast_dllm_checkpoint_equal_to_base_plus_adapter(block, tmp_path, monkeypatch, capfd):
     adapter, merged = tmp_path / "adapter.safetensors", tmp_path / "merged"
     main(["export", "--run", str(block["here"] / "train"), "--checkpoint", str(block["here"] / "train" / gpu.SLIM),
           "--out", str(adapter), "--merge-to", str(merged), "--merge-dtype", "float32"])
@@ -232,7 +232,10 @@ def test_export_writes_fast_dllm_checkpoint_equal_to_base_plus_adapter(block, tm
     assert "|<MASK>|" in tok_cfg["additional_special_tokens"]
 
     monkeypatch.setenv("FASTDLLM_ADAPTER", str(adapter))
-    a, b = Engine.load(), Engine.load(str(merged))  # base + adapter (fp32, plain layout) vs the merged export
+    a = Engine.load()  # base + adapter (fp32, plain layout)
+    capfd.readouterr()
+    b = Engine.load(str(merged))  # the export; its auto_map must not make transformers ask to run hub code
+    assert "custom code" not in capfd.readouterr().out
     got = build_model(merged, torch.device("cpu"), torch.float32)  # plain layout too, for bit equality
     ids = torch.tensor([json.loads(gpu.FINGERPRINT_FILE.read_text())["prompt_ids"]])
     pos = torch.arange(ids.shape[1])[None]
