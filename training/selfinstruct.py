@@ -194,7 +194,7 @@ class Shard:
         return len(self.keys)
 
     def save(self, path: Path) -> None:
-        tmp = path.with_name(path.name + f".tmp{os.getpid()}.npz")
+        tmp = path.with_name(f".{path.stem}.tmp{os.getpid()}.npz")  # hidden from shard_paths' glob until renamed
         np.savez_compressed(tmp, **{k: getattr(self, k) for k in self.__slots__})
         os.replace(tmp, path)
 
