@@ -1,10 +1,14 @@
-"""python -m training {distill,train,export,eval,ablation,selfinstruct,weights,gpu}: make the Fast-dLLM v2 adapter.
+"""python -m training {distill,train,export,eval,ablation}: make the bundled Fast-dLLM v2 adapter.
 
 Typical run (CPU, the bundled SmolLM2-135M base):
   python -m training distill --limit 800 --time-budget 900
   python -m training train --run runs/train --minutes 30
   python -m training export --run runs/train
   python -m training eval --out runs/eval.json
+
+Data at scale and the GPU block (runbook: training/README.md):
+  python -m training selfinstruct --out runs/si --magpie 20000
+  python -m training gpu {prepare,weights,data,train,unpack}    # and `weights split|join` for big files
 """
 from __future__ import annotations
 
