@@ -19,6 +19,7 @@ from .config import DecodeConfig
 from .events import Event, Listener, Summary, Token
 from .model import CausalLM, KVCache, block_causal_mask, causal_mask
 from .sampling import sample, select_commits
+from .static import StaticStepper
 from .text import IncrementalDetokenizer, TokenBytes
 
 
@@ -53,9 +54,11 @@ class Decoder:
     """Decodes a batch; one Event per forward and row, then a 'done' Event per row."""
 
     def __init__(self, model: CausalLM, cfg: DecodeConfig, mask_id: int | None, tb: TokenBytes,
-                 listener: Listener | None = None, cancel: Cancel | None = None):
+                 listener: Listener | None = None, cancel: Cancel | None = None,
+                 stepper: StaticStepper | None = None):
         self.model, self.cfg, self.mask_id, self.tb = model, cfg, mask_id, tb
         self.listener, self.cancel = listener, cancel
+        self.stepper = stepper  # static-shape (CUDA graph) decode steps; None = CausalLM.forward
         self.stop_ids = set(cfg.stop_token_ids)
         self.device = next(model.parameters()).device
         self.gen = torch.Generator(device=self.device)
@@ -72,6 +75,32 @@ class Decoder:
         if self.mask_id is not None and self.mask_id < logits.shape[-1]:
             logits[..., self.mask_id] = float("-inf")  # the mask token is never an answer token
         return sample(logits, self.cfg.temperature, self.cfg.top_p, self.gen)
+
+    def _new_cache(self, batch: int, max_len: int) -> KVCache:
+        if self.stepper is not None:
+            return self.stepper.new_cache(batch, max_len)
+        return KVCache(self.model.cfg, batch, max_len, self.device, self._dtype())
+
+    def _step(self, ids: Tensor, pos: Tensor, cache: KVCache, *, start: int | None, ends: list[int],
+              mask: Tensor | None, logits_idx: Tensor, width: int) -> Tensor:
+        """A cached decode forward of a fixed-width kind (AR 1, dual sub-block + 1, block): keys < ends[row]
+        are visible. Through the static stepper when there is one, else CausalLM.forward."""
+        if self.stepper is not None:
+            return self.stepper.step(ids, pos, cache, ends, logits_idx, width)
+        return self.model(ids, pos, cache, start=start, kv_len=max(ends), mask=mask, logits_idx=logits_idx)
+
+    @staticmethod
+    def _to_host(tok: Tensor, conf: Tensor) -> tuple[list, list]:
+        """Tokens and confidences in one device->host copy (with the static stepper, the step's only sync)."""
+        both = torch.stack((tok.to(torch.float64), conf.to(torch.float64))).cpu()
+        return both[0].long().tolist(), both[1].tolist()
+
+    def _write_tokens(self, seq: Tensor, writes: list[tuple[int, int, int]]) -> None:
+        """A step's committed (row, position, token) into the device sequence in one copy, not one per token."""
+        if writes:
+            n, width = len(writes), seq.shape[1]
+            both = torch.tensor([b * width + q for b, q, _ in writes] + [t for _, _, t in writes], device=seq.device)
+            seq.view(-1).scatter_(0, both[:n], both[n:])
 
     def _commit(self, row: Row, q: int, tok: int, conf: float, out: list[Token]) -> None:
         row.answer[q - row.prompt_len] = tok
@@ -160,7 +189,7 @@ class Decoder:
 
     # ---------------------------------------------------------------- AR baseline
     def _run_ar(self, rows: list[Row], seq: Tensor, max_len: int) -> None:
-        cache = KVCache(self.model.cfg, len(rows), max_len, self.device, self._dtype())
+        cache = self._new_cache(len(rows), max_len)
         plen = torch.tensor([r.prompt_len for r in rows], device=self.device)
         width = int(plen.max())
         pos = torch.arange(width, device=self.device)[None].expand(len(rows), -1)
@@ -171,29 +200,32 @@ class Decoder:
         live, kind = rows, "prefill"
         while live:
             tok, conf = self._sample(logits[:, -1])
-            for b, (r, t, c) in enumerate(zip(live, tok.tolist(), conf.tolist())):
+            writes: list[tuple[int, int, int]] = []
+            for b, (r, t, c) in enumerate(zip(live, *self._to_host(tok, conf))):
                 r.nfe += 1
                 q = r.prompt_len + r.emitted_ar
                 r.emitted_ar += 1
                 committed: list[Token] = []
                 self._commit(r, q, t, c, committed)
-                seq[b, q] = t
+                writes.append((b, q, t))
                 self._emit(kind, r, -1, committed, [])
                 if r.stop_at is not None:
                     self._finish(r, "stop_token")
                 elif q + 1 >= r.limit:
                     self._finish(r, "max_new_tokens")
             kind = "step"
+            self._write_tokens(seq, writes)
             live, seq = self._retire(live, seq, cache)
             if not live or self._cancelled(live):
                 live, seq = self._retire(live, seq, cache)
                 break
-            q = torch.tensor([r.prompt_len + r.emitted_ar - 1 for r in live], device=self.device)
-            same = bool((q == q[0]).all())
-            kv_len = int(q.max()) + 1
-            mask = None if same else causal_mask(q[:, None], kv_len)
-            logits = self.model(seq.gather(1, q[:, None]), q[:, None], cache, start=int(q[0]) if same else None,
-                                kv_len=kv_len, mask=mask)
+            qs = [r.prompt_len + r.emitted_ar - 1 for r in live]  # host lists: no device sync
+            q = torch.tensor(qs, device=self.device)
+            same = all(x == qs[0] for x in qs)
+            mask = None if same else causal_mask(q[:, None], max(qs) + 1)
+            last = torch.zeros((len(live), 1), dtype=torch.long, device=self.device)
+            logits = self._step(seq.gather(1, q[:, None]), q[:, None], cache, start=qs[0] if same else None,
+                                ends=[x + 1 for x in qs], mask=mask, logits_idx=last, width=1)
 
     def _dtype(self) -> torch.dtype:
         return next(self.model.parameters()).dtype
@@ -201,7 +233,7 @@ class Decoder:
     # ---------------------------------------------------------------- block diffusion
     def _run_diffusion(self, rows: list[Row], seq: Tensor, max_len: int) -> None:
         cfg, bs = self.cfg, self.cfg.block_size
-        cache = None if cfg.cache == "none" else KVCache(self.model.cfg, len(rows), max_len, self.device, self._dtype())
+        cache = None if cfg.cache == "none" else self._new_cache(len(rows), max_len)
         # Prefill: whole prompt blocks, plus the partial block (prompt tail + masks) when there is one, which
         # makes the prefill also the first decoding step of that block.
         for r in rows:
@@ -232,8 +264,9 @@ class Decoder:
                 starts = [r.block_start if full else min(s, r.block_start + bs - width) for r, (_, s, _) in zip(live, plan)]
                 st = torch.tensor(starts, device=self.device)
                 pos = st[:, None] + torch.arange(width, device=self.device)[None]
-                ends_t = torch.tensor([r.block_start + bs for r in live], device=self.device)
-                kv_len = int(ends_t.max())
+                ends = [r.block_start + bs for r in live]
+                ends_t = torch.tensor(ends, device=self.device)
+                kv_len = max(ends)
                 same = all(s == starts[0] for s in starts)
                 mask = None if same else (torch.arange(kv_len, device=self.device)[None, None, None] < ends_t[:, None, None, None])
                 ids, start = seq.gather(1, pos), (starts[0] if same else None)
@@ -243,8 +276,12 @@ class Decoder:
                     targets.append([r.block_start + bs]) if r.block_start + bs < r.limit else targets.append([])
                 else:
                     targets.append(self._targets(r, a, a + width, full=full or cfg.cache == "none"))
-            logits = self.model(ids, pos, cache, start=start, kv_len=kv_len, mask=mask,
-                                logits_idx=self._idx(targets, starts))
+            idx = self._idx(targets, starts)
+            if cache is None:
+                logits = self.model(ids, pos, cache, start=start, kv_len=kv_len, mask=mask, logits_idx=idx)
+            else:
+                logits = self._step(ids, pos, cache, start=start, ends=ends, mask=mask, logits_idx=idx,
+                                    width=bs if full else cfg.sub_block_size + 1)
             kinds = [k for k, _, _ in plan]
             self._after_forward(kinds, live, seq, targets, logits, [full or cfg.cache == "none"] * len(live))
             live, seq = self._retire(live, seq, cache)
@@ -293,14 +330,15 @@ class Decoder:
         cfg, bs, sbs = self.cfg, self.cfg.block_size, self.cfg.sub_block_size
         kinds = [kinds] * len(rows) if isinstance(kinds, str) else kinds
         tok, conf = self._sample(logits)
-        tok_l, conf_l = tok.tolist(), conf.tolist()
+        tok_l, conf_l = self._to_host(tok, conf)
+        writes: list[tuple[int, int, int]] = []
         for b, (r, kind, tq) in enumerate(zip(rows, kinds, targets)):
             r.nfe += 1
             committed: list[Token] = []
             if kind == "commit":
                 if tq:  # the clean block's last logit gives the next block's first token
                     self._commit(r, tq[0], tok_l[b][0], conf_l[b][0], committed)
-                    seq[b, tq[0]] = tok_l[b][0]
+                    writes.append((b, tq[0], tok_l[b][0]))
                 r.block_start += bs
                 r.refreshed_sub = -1
                 self._emit("commit", r, -1, committed, [])
@@ -316,12 +354,13 @@ class Decoder:
                 for j, q in enumerate(tq):
                     if j < n_sub and chosen[j]:
                         self._commit(r, q, tok_l[b][j], conf_l[b][j], committed)
-                        seq[b, q] = tok_l[b][j]
+                        writes.append((b, q, tok_l[b][j]))
                     elif self.listener is not None:
                         t = tok_l[b][j]
                         masked.append(Token(q - r.prompt_len, t, self.tb.piece(t), conf_l[b][j]))
                 self._emit("prefill" if kind == "prefill" else "step", r, k, committed, masked)
             self._check_done(r)
+        self._write_tokens(seq, writes)
 
     def _check_done(self, r: Row) -> None:
         if r.done:
