@@ -81,6 +81,11 @@ def test_default_engine_runs_the_gguf_4bit_weights_and_decodes_like_fp32(engine,
                                   record=False)[0].summary.token_ids
             same = next((i for i, (u, v) in enumerate(zip(got, ref)) if u != v), min(len(got), len(ref)))
             assert same >= 6, (mode, prompt, got, ref)  # broken weights diverge at once
+    # the static-shape stepper (engine/static.py, forced on for CPU) runs the same 4-bit modules
+    static = Engine(q.lm, static=True)
+    cfg = q.decode_config(mode="ar", max_new_tokens=12, temperature=0.0)
+    assert static.generate(PROMPTS[0], cfg, record=False)[0].summary.token_ids == \
+        q.generate(PROMPTS[0], cfg, record=False)[0].summary.token_ids
 
 
 def test_q8_lm_head_as_two_int4_planes(gguf):
