@@ -39,8 +39,11 @@ def cmd_train(a: argparse.Namespace) -> None:
         data=a.data, run=a.run, model=a.model, recipe=a.recipe, block_size=a.block_size, max_len=a.max_len,
         keep_truncated=not a.drop_truncated, rank=a.rank, alpha=a.alpha, train_norms=a.train_norms,
         lr=a.lr, weight_decay=a.weight_decay, warmup_steps=a.warmup_steps, min_lr_ratio=a.min_lr_ratio,
-        epochs=a.epochs, batch_size=a.batch_size, grad_clip=a.grad_clip, bf16=not a.fp32, seed=a.seed,
-        save_every_s=a.save_every_s, save_every_steps=a.save_every_steps, max_steps=a.max_steps,
+        epochs=a.epochs, batch_size=a.batch_size, micro_batch=a.micro_batch, grad_clip=a.grad_clip,
+        bf16=not a.fp32, bf16_weights=not a.fp32_weights, attention=a.attention, mask_later=a.mask_later,
+        sub_block_size=a.sub_block_size, certainty_weight=a.certainty_weight,
+        certainty_temperature=a.certainty_temperature, export_to=a.export_to, export_max_mib=a.export_max_mib,
+        seed=a.seed, save_every_s=a.save_every_s, save_every_steps=a.save_every_steps, max_steps=a.max_steps,
         minutes=a.minutes, limit=a.limit, val_size=a.val_size, init_from=a.init_from)
     train(cfg)
 
@@ -104,7 +107,7 @@ def parser() -> argparse.ArgumentParser:
     t.add_argument("--max-len", type=int, default=256, help="prompt+answer tokens kept (multiple of block size)")
     t.add_argument("--drop-truncated", action="store_true",
                    help="skip answers the teacher cut at max_new_tokens (default: keep them, without a stop token)")
-    t.add_argument("--rank", type=int, default=32, help="LoRA rank")
+    t.add_argument("--rank", type=int, default=32, help="LoRA rank (32; 64-128 for the GPU runs)")
     t.add_argument("--alpha", type=float, default=64.0, help="LoRA alpha (scale = alpha / rank)")
     t.add_argument("--train-norms", action="store_true", help="also train the RMSNorm weights")
     t.add_argument("--lr", type=float, default=3e-4, help="peak learning rate (AdamW)")
@@ -113,8 +116,23 @@ def parser() -> argparse.ArgumentParser:
     t.add_argument("--min-lr-ratio", type=float, default=0.1, help="cosine decay floor, fraction of --lr")
     t.add_argument("--epochs", type=float, default=2.0, help="passes over the data (sets the schedule length)")
     t.add_argument("--batch-size", type=int, default=4, help="sequences per optimiser step")
+    t.add_argument("--micro-batch", type=int, default=None,
+                   help="sequences per forward (gradient accumulation over --batch-size); default: --batch-size")
     t.add_argument("--grad-clip", type=float, default=1.0, help="gradient norm clip")
-    t.add_argument("--fp32", action="store_true", help="no bf16 autocast")
+    t.add_argument("--fp32", action="store_true", help="no bf16 at all: fp32 weights and activations")
+    t.add_argument("--fp32-weights", action="store_true",
+                   help="keep the frozen base in fp32 under bf16 autocast (slower: recasts every weight each step)")
+    t.add_argument("--attention", choices=("auto", "dense", "blockwise", "flex"), default="auto",
+                   help="recipe attention: auto = flex on CUDA, blockwise per-block SDPA for pad/full, dense mask otherwise")
+    t.add_argument("--mask-later", type=float, default=0.0,
+                   help="noise bias in [0, 1]: mask later positions of each sub-block more often (0: uniform per block)")
+    t.add_argument("--sub-block-size", type=int, default=8, help="sub-block size that --mask-later ramps over")
+    t.add_argument("--certainty-weight", type=float, default=0.0,
+                   help="certainty forcing (dParallel): weight of the entropy of correctly predicted masked tokens")
+    t.add_argument("--certainty-temperature", type=float, default=0.5, help="softmax temperature of that entropy")
+    t.add_argument("--export-to", type=Path, default=None,
+                   help="at every checkpoint also write the adapter here in fp16 (split into parts if over --export-max-mib)")
+    t.add_argument("--export-max-mib", type=float, default=16.0, help="largest adapter file --export-to writes")
     t.add_argument("--seed", type=int, default=0, help="seeds data order, masks and LoRA init")
     t.add_argument("--save-every-s", type=float, default=240.0, help="checkpoint at least this often (seconds)")
     t.add_argument("--save-every-steps", type=int, default=0, help="also checkpoint every N steps (0: off)")
