@@ -1,4 +1,4 @@
-"""python -m training {distill,train,export,eval,ablation}: make the bundled Fast-dLLM v2 adapter.
+"""python -m training {distill,train,throughput,export,eval,ablation}: make the bundled Fast-dLLM v2 adapter.
 
 Typical run (CPU, the bundled SmolLM2-135M base):
   python -m training distill --limit 800 --time-budget 900
@@ -46,6 +46,19 @@ def cmd_train(a: argparse.Namespace) -> None:
         seed=a.seed, save_every_s=a.save_every_s, save_every_steps=a.save_every_steps, max_steps=a.max_steps,
         minutes=a.minutes, limit=a.limit, val_size=a.val_size, init_from=a.init_from)
     train(cfg)
+
+
+def cmd_throughput(a: argparse.Namespace) -> None:
+    import json
+
+    from .throughput import ThroughputConfig, measure
+
+    _threads(a.threads)
+    rep = measure(ThroughputConfig(data=a.data, variants=a.variants.split(","), rounds=a.rounds, warmup=a.warmup,
+                                   batch_size=a.batch_size, micro_batch=a.micro_batch, max_len=a.max_len,
+                                   rank=a.rank, out=a.out))
+    print(json.dumps({k: {m: v[m] for m in ("answer_tokens_per_s", "model_tokens_per_s", "seconds")}
+                      for k, v in rep["variants"].items()}, indent=1))
 
 
 def cmd_export(a: argparse.Namespace) -> None:
@@ -144,6 +157,21 @@ def parser() -> argparse.ArgumentParser:
                    help="new run only: start from the adapter weights of this checkpoint (fresh optimiser/schedule)")
     t.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     t.set_defaults(func=cmd_train)
+
+    h = sub.add_parser("throughput", formatter_class=fmt,
+                       help="training throughput of trainer variants, measured interleaved -> JSON")
+    h.add_argument("--data", type=Path, default=DATA / "distill.jsonl", help="training data")
+    h.add_argument("--variants", default="before,after",
+                   help="comma list of: before (fp32 weights + autocast, dense mask), bf16_weights, after, fp32")
+    h.add_argument("--rounds", type=int, default=3, help="timed steps per variant (interleaved)")
+    h.add_argument("--warmup", type=int, default=1, help="untimed steps per variant first")
+    h.add_argument("--batch-size", type=int, default=4, help="sequences per step")
+    h.add_argument("--micro-batch", type=int, default=None, help="sequences per forward")
+    h.add_argument("--max-len", type=int, default=256, help="tokens kept per sequence")
+    h.add_argument("--rank", type=int, default=32, help="LoRA rank")
+    h.add_argument("--out", type=Path, default=Path("bench/results/train_throughput.json"), help="JSON report")
+    h.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    h.set_defaults(func=cmd_throughput)
 
     e = sub.add_parser("export", formatter_class=fmt, help="write the adapter the engine loads from a checkpoint")
     e.add_argument("--run", type=Path, default=Path("runs/train"), help="run directory")

@@ -8,6 +8,7 @@ limit, and `write` refuses values that would not survive the cast.
 """
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
@@ -20,7 +21,11 @@ from engine.loading import ADAPTER_FORMAT, MASK_TOKEN
 from .lora import adapter_tensors
 
 MAX_BYTES = 16 * 2**20
-HEADER_ROOM = 64 * 1024  # safetensors JSON header (names, offsets, metadata)
+
+
+def _entry_bytes(key: str, t: Tensor) -> int:
+    """Data plus a generous bound on its safetensors header entry (name, dtype, shape, offsets)."""
+    return t.numel() * t.element_size() + len(key) + 96
 
 
 def flat_tensors(trainable: dict[str, Tensor], dtype: torch.dtype = torch.float16) -> dict[str, Tensor]:
@@ -48,14 +53,16 @@ def part_paths(path: Path, n: int) -> list[Path]:
 def write(path: Path, tensors: dict[str, Tensor], lora_scale: float, meta: dict[str, str],
           max_bytes: int = MAX_BYTES) -> list[Path]:
     """Write the adapter as one file, or as parts named <stem>-0000k-of-0000n; returns the paths."""
+    md = {"format": ADAPTER_FORMAT, "lora_scale": str(lora_scale), "mask_token": MASK_TOKEN, **meta}
+    room = max_bytes - len(json.dumps(md)) - 256  # per file: the metadata, "part", JSON framing
     groups: list[list[str]] = [[]]
     size = 0
     for key in sorted(k for k in tensors if not k.startswith("lora_B.")):
         keys = [key, "lora_B." + key[len("lora_A."):]] if key.startswith("lora_A.") else [key]
-        nbytes = sum(tensors[k].numel() * tensors[k].element_size() for k in keys)
-        if nbytes > max_bytes - HEADER_ROOM:
+        nbytes = sum(_entry_bytes(k, tensors[k]) for k in keys)
+        if nbytes > room:
             raise ValueError(f"adapter: {key} alone ({nbytes} bytes) exceeds max_bytes {max_bytes}")
-        if groups[-1] and size + nbytes > max_bytes - HEADER_ROOM:
+        if groups[-1] and size + nbytes > room:
             groups.append([])
             size = 0
         groups[-1] += keys
@@ -65,7 +72,6 @@ def write(path: Path, tensors: dict[str, Tensor], lora_scale: float, meta: dict[
     for old in path.parent.glob(f"{path.stem}-*-of-*{path.suffix}"):
         if old not in paths:
             old.unlink()  # parts of an earlier, differently split export
-    md = {"format": ADAPTER_FORMAT, "lora_scale": str(lora_scale), "mask_token": MASK_TOKEN, **meta}
     for i, (p, keys) in enumerate(zip(paths, groups)):
         tmp = p.with_suffix(".tmp")
         save_file({k: tensors[k] for k in keys}, str(tmp), metadata={**md, "part": f"{i + 1}/{len(paths)}"})

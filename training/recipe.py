@@ -36,6 +36,7 @@ class Batch:
     length: int  # L
     block_size: int
     seq_tokens: int  # real prompt + answer tokens (what "tokens seen" counts)
+    answer_tokens: int
     loss_tokens: int
 
     @property
@@ -60,7 +61,7 @@ class Batch:
     def to(self, device: torch.device) -> "Batch":
         return Batch(self.ids.to(device), self.pos.to(device), self.visible.to(device), self.logits_idx.to(device),
                      self.targets.to(device), self.views, self.length, self.block_size, self.seq_tokens,
-                     self.loss_tokens)
+                     self.answer_tokens, self.loss_tokens)
 
 
 def padded_len(n: int, block_size: int, pad: bool) -> int:
@@ -73,8 +74,9 @@ def draw_noise(ex: Example, block_size: int, gen: torch.Generator, *, later: flo
     """Per block t ~ U(0,1); each answer token is masked with probability t (prompt tokens never).
 
     later = λ in [0, 1] tilts the rate inside each sub-block into a ramp t * (1 + λ (2j/(s-1) - 1)) over
-    its positions j (clamped to [0, 1]; mean t): later positions are masked more often, as they are
-    still masked more often while left-to-right sub-block decoding runs. λ = 0 is the paper's noise.
+    its positions j, clamped to [0, 1] (mean t until the clamp bites: at λ = 1 the overall rate is 0.44
+    instead of 0.5): later positions are masked more often, as they stay masked longer while
+    left-to-right sub-block decoding runs. λ = 0 is the paper's noise, draw for draw.
     """
     if not 0.0 <= later <= 1.0:
         raise ValueError(f"later (mask-later bias) must be in [0, 1] (got {later})")
@@ -144,7 +146,8 @@ def build_batch(examples: list[Example], noise: list[Tensor], *, recipe: str, bl
     ids = torch.stack(rows_ids)
     pos = torch.arange(length).repeat(nviews + 1)[None].expand(len(examples), -1).contiguous()
     return Batch(ids, pos, torch.tensor(vis), logits_idx, targets, nviews, length, block_size,
-                 seq_tokens=sum(len(ex.ids) for ex in examples), loss_tokens=int((targets != IGNORE).sum()))
+                 seq_tokens=sum(len(ex.ids) for ex in examples), answer_tokens=sum(ex.answer_len for ex in examples),
+                 loss_tokens=int((targets != IGNORE).sum()))
 
 
 @dataclass(frozen=True, slots=True)

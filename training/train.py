@@ -197,7 +197,8 @@ class Trainer:
         self.tokens_seen += seq
         self.loss_tokens += total
         rec = {"step": self.step, "loss": round(parts.pop("loss"), 5), "lr": lr, "grad_norm": round(float(gnorm), 4),
-               "seq_tokens": seq, "forward_tokens": sum(int(b.ids.numel()) for b in batches),
+               "seq_tokens": seq, "answer_tokens": sum(b.answer_tokens for b in batches),
+               "forward_tokens": sum(int(b.ids.numel()) for b in batches),
                "loss_tokens": total, "tokens_seen": self.tokens_seen}
         if self.loss_cfg.certainty_weight:
             rec.update({k: round(v, 5) for k, v in parts.items()})
@@ -286,7 +287,7 @@ class Trainer:
         stop_at = min(self.total_steps, cfg.max_steps if cfg.max_steps is not None else self.total_steps)
         t_start = time.perf_counter()
         last_save = t_start
-        tok0, t_seg = self.tokens_seen, t_start
+        tok0, answers, t_seg = self.tokens_seen, 0, t_start
         run.mkdir(parents=True, exist_ok=True)
         log = (run / "log.jsonl").open("a")
         bar = tqdm(total=self.total_steps, initial=self.step, desc="train", unit="step", dynamic_ncols=True,
@@ -299,11 +300,13 @@ class Trainer:
             self.elapsed += now - t0
             rec["elapsed_s"] = round(self.elapsed, 1)
             ema = rec["loss"] if ema is None else 0.9 * ema + 0.1 * rec["loss"]
+            answers += rec["answer_tokens"]
             tok_s = (self.tokens_seen - tok0) / max(now - t_seg, 1e-9)
+            ans_s = answers / max(now - t_seg, 1e-9)
             log.write(json.dumps(rec) + "\n")
             log.flush()
             bar.update(1)
-            bar.set_postfix(loss=f"{ema:.3f}", tok_s=f"{tok_s:.0f}", lr=f"{rec['lr']:.1e}")
+            bar.set_postfix(loss=f"{ema:.3f}", tok_s=f"{tok_s:.0f}", answer_tok_s=f"{ans_s:.0f}", lr=f"{rec['lr']:.1e}")
             out_of_time = cfg.minutes is not None and now - t_start > cfg.minutes * 60
             due = now - last_save > cfg.save_every_s or (cfg.save_every_steps and self.step % cfg.save_every_steps == 0)
             if due or out_of_time or self.step >= stop_at:
