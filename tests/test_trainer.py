@@ -244,3 +244,23 @@ def test_token_id_reader_plugs_into_load_data(tmp_path):
         del PAIR_READERS[".npz"]
     assert [(e.ids, e.prompt_len) for e in exs] == [([5, 6, 7, 8, 9], 3), ([3, 4, 11, 12], 2)]
     assert stats["records"] == 2
+
+
+def test_trajectories_are_the_dllms_own_decoding(tmp_path, engine):
+    """distill --mode diffusion: the bundled dLLM's own greedy block-diffusion answers, as training data."""
+    import json
+
+    from training.distill import DistillConfig, distill
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt": "Name a colour."}) + "\n")
+    out = tmp_path / "traj.jsonl"
+    distill(DistillConfig(prompts=prompts, out=out, model="bundled", batch_size=1, max_new_tokens=8,
+                          mode="diffusion", threshold=0.9), engine=engine)
+    recs = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["mode"] for r in recs] == ["diffusion"] and recs[0]["tokens_per_forward"] >= 1
+    want = engine.generate([r["messages"][0]["content"] for r in recs],
+                           engine.decode_config(mode="diffusion", threshold=0.9, max_new_tokens=8, temperature=0.0))
+    assert [r["messages"][1]["content"] for r in recs] == [w.summary.text for w in want]
+    with pytest.raises(ValueError, match="mode must be"):
+        DistillConfig(prompts=prompts, out=out, mode="beam")

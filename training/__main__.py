@@ -28,7 +28,8 @@ def cmd_distill(a: argparse.Namespace) -> None:
 
     _threads(a.threads)
     distill(DistillConfig(prompts=a.prompts, out=a.out, model=a.model, limit=a.limit, batch_size=a.batch_size,
-                          max_new_tokens=a.max_new_tokens, time_budget_s=a.time_budget))
+                          max_new_tokens=a.max_new_tokens, time_budget_s=a.time_budget, mode=a.mode,
+                          threshold=a.threshold))
 
 
 def cmd_train(a: argparse.Namespace) -> None:
@@ -102,7 +103,11 @@ def parser() -> argparse.ArgumentParser:
     d.add_argument("--prompts", type=Path, default=DATA / "prompts.jsonl", help='JSONL of {"prompt": ...}')
     d.add_argument("--out", type=Path, default=DATA / "distill.jsonl",
                    help="chat JSONL to append to; prompts already in it are skipped (resumable)")
-    d.add_argument("--model", default="bundled-base", help="engine model spec of the AR teacher")
+    d.add_argument("--model", default="bundled-base",
+                   help="engine model spec of the teacher (mode diffusion: 'bundled' = base + FASTDLLM_ADAPTER or assets/)")
+    d.add_argument("--mode", choices=("ar", "diffusion"), default="ar",
+                   help="ar: the AR base's answers; diffusion: the dLLM's own decoding trajectories (certainty-forcing data)")
+    d.add_argument("--threshold", type=float, default=0.9, help="diffusion confidence threshold (--mode diffusion)")
     d.add_argument("--limit", type=int, default=None, help="use only the first N prompts of the file")
     d.add_argument("--batch-size", type=int, default=32, help="prompts decoded together")
     d.add_argument("--max-new-tokens", type=int, default=160, help="answer length cap")

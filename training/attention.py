@@ -81,31 +81,28 @@ def flex_available(device: torch.device) -> bool:
     return device.type == "cuda"
 
 
-@dataclass(frozen=True)
 class Flex:
-    """flex_attention with a BlockMask from `allowed` (compiled on CUDA; eager elsewhere, forward only)."""
+    """flex_attention with a BlockMask from `allowed`, built once per batch and shared by every layer
+    (compiled on CUDA; eager elsewhere, forward only)."""
 
-    length: int
-    views: int
-    block_size: int
-    visible: Tensor  # [B]
-
-    def __call__(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
-
-        global _compiled_flex
-        length, views, bs, visible = self.length, self.views, self.block_size, self.visible
+    def __init__(self, length: int, views: int, block_size: int, visible: Tensor):
+        from torch.nn.attention.flex_attention import create_block_mask
 
         def mask_mod(b, h, qi, ki):
-            return allowed(qi, ki, visible[b], length, views, bs)
+            return allowed(qi, ki, visible[b], length, views, block_size)
 
-        t = q.shape[2]
-        block_mask = create_block_mask(mask_mod, q.shape[0], None, t, t, device=q.device)
+        t = (views + 1) * length
+        self.block_mask = create_block_mask(mask_mod, len(visible), None, t, t, device=visible.device)
+
+    def __call__(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        from torch.nn.attention.flex_attention import flex_attention
+
+        global _compiled_flex
         fn = flex_attention
-        if q.device.type == "cuda":
-            _compiled_flex = _compiled_flex or torch.compile(flex_attention, dynamic=True)
+        if q.device.type == "cuda":  # torch.compile's automatic dynamic shapes cover the varying row length
+            _compiled_flex = _compiled_flex or torch.compile(flex_attention)
             fn = _compiled_flex
-        return fn(q, k, v, block_mask=block_mask, enable_gqa=q.shape[1] != k.shape[1])
+        return fn(q, k, v, block_mask=self.block_mask, enable_gqa=q.shape[1] != k.shape[1])
 
 
 def choose(impl: str, device: torch.device, block_aligned: bool) -> str:
