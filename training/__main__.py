@@ -57,8 +57,9 @@ def cmd_throughput(a: argparse.Namespace) -> None:
     _threads(a.threads)
     rep = measure(ThroughputConfig(data=a.data, variants=a.variants.split(","), rounds=a.rounds, warmup=a.warmup,
                                    batch_size=a.batch_size, micro_batch=a.micro_batch, max_len=a.max_len,
-                                   rank=a.rank, out=a.out))
-    print(json.dumps({k: {m: v[m] for m in ("answer_tokens_per_s", "model_tokens_per_s", "seconds")}
+                                   rank=a.rank, profile=a.profile, out=a.out))
+    print(json.dumps({k: {m: v[m] for m in ("answer_tokens_per_s", "model_tokens_per_s", "answer_tokens_per_cpu_s",
+                                            "model_tokens_per_cpu_s", "seconds")}
                       for k, v in rep["variants"].items()}, indent=1))
 
 
@@ -174,6 +175,7 @@ def parser() -> argparse.ArgumentParser:
     h.add_argument("--micro-batch", type=int, default=None, help="sequences per forward")
     h.add_argument("--max-len", type=int, default=256, help="tokens kept per sequence")
     h.add_argument("--rank", type=int, default=32, help="LoRA rank")
+    h.add_argument("--profile", action="store_true", help="add the top operators of one profiled step per variant")
     h.add_argument("--out", type=Path, default=Path("bench/results/train_throughput.json"), help="JSON report")
     h.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     h.set_defaults(func=cmd_throughput)

@@ -1,8 +1,10 @@
 """Training throughput, variants measured interleaved: answer tokens/s and model tokens/s -> JSON.
 
 Every variant trains on the same steps (same data order and noise: same seed), one step each in turn,
-so load from other jobs on a shared machine hits all variants alike. A variant is a set of TrainConfig
-overrides; `before` is the trainer as it was (fp32 weights under bf16 autocast, dense [3L, 3L] mask).
+so load from other jobs on a shared machine hits all variants alike; the process's CPU time is recorded
+next to wall time (on a machine shared with other busy jobs, tokens per CPU-second are the steadier
+number). A variant is a set of TrainConfig overrides; `before` is the trainer as it was (fp32 weights
+under bf16 autocast, dense [3L, 3L] mask).
 """
 from __future__ import annotations
 
@@ -35,6 +37,7 @@ class ThroughputConfig:
     max_len: int = 256
     rank: int = 32
     model: str = "bundled-base"
+    profile: bool = False  # one more step per variant under torch.profiler: where the time goes
     out: Path | None = None
 
     def __post_init__(self) -> None:
@@ -43,6 +46,19 @@ class ThroughputConfig:
             raise ValueError(f"variants must be among {list(VARIANTS)} (got {bad})")
         if self.rounds < 1 or self.warmup < 0:
             raise ValueError(f"rounds must be >= 1 and warmup >= 0 (got {self.rounds}, {self.warmup})")
+
+
+def profile_step(trainer, top: int = 12) -> list[dict]:
+    """Self time of the costliest operators in one training step (ms), matmuls and attention included."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=acts) as prof:
+        trainer.train_step()
+    ops = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
+    total = sum(e.self_cpu_time_total for e in ops)
+    return [{"op": e.key, "self_ms": round(e.self_cpu_time_total / 1e3, 1), "calls": e.count,
+             "share": round(e.self_cpu_time_total / total, 3)} for e in ops[:top]]
 
 
 def measure(cfg: ThroughputConfig) -> dict:
@@ -70,22 +86,31 @@ def measure(cfg: ThroughputConfig) -> dict:
         for name, tr in trainers.items():
             if dev.type == "cuda":
                 torch.cuda.synchronize()
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             rec = tr.train_step()
             if dev.type == "cuda":
                 torch.cuda.synchronize()
             if r >= cfg.warmup:
-                steps[name].append({**rec, "seconds": time.perf_counter() - t0})
+                steps[name].append({**rec, "seconds": time.perf_counter() - t0, "cpu_seconds": time.process_time() - c0})
+    profiles = {name: profile_step(tr) for name, tr in trainers.items()} if cfg.profile else {}
     rows = {}
     for name, recs in steps.items():
-        sec = sum(s["seconds"] for s in recs)
+        sec, cpu = sum(s["seconds"] for s in recs), sum(s["cpu_seconds"] for s in recs)
+        answers = sum(s["answer_tokens"] for s in recs)
         rows[name] = {"overrides": VARIANTS[name], "steps": len(recs), "seconds": round(sec, 3),
+                      "cpu_seconds": round(cpu, 3),
+                      # per CPU-second of this process: what a machine to itself would give per thread
+                      "answer_tokens_per_cpu_s": round(answers / cpu, 2),
+                      "model_tokens_per_cpu_s": round(sum(s["forward_tokens"] for s in recs) / cpu, 2),
                       "answer_tokens_per_s": round(sum(s["answer_tokens"] for s in recs) / sec, 2),
                       "model_tokens_per_s": round(sum(s["forward_tokens"] for s in recs) / sec, 2),
                       "seq_tokens_per_s": round(sum(s["seq_tokens"] for s in recs) / sec, 2),
                       "loss_tokens_per_s": round(sum(s["loss_tokens"] for s in recs) / sec, 2),
                       "step_seconds": [round(s["seconds"], 3) for s in recs],
+                      "step_cpu_seconds": [round(s["cpu_seconds"], 3) for s in recs],
                       "losses": [s["loss"] for s in recs]}
+        if name in profiles:
+            rows[name]["profile_top_ops"] = profiles[name]
     report = {"device": str(dev), "cpu": platform.processor() or platform.machine(),
               "torch": torch.__version__, "threads": torch.get_num_threads(),
               "load_average_after": os.getloadavg(), "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),

@@ -132,6 +132,7 @@ class Trainer:
         self.loss_tokens = 0
         self.elapsed = 0.0  # training wall time over all processes of this run
         self.history: list[dict] = []
+        self.exported_step: int | None = None
 
     # ------------------------------------------------------------------ data
     def order(self, epoch: int) -> list[int]:
@@ -279,6 +280,7 @@ class Trainer:
                 "rank": str(cfg.rank), "alpha": str(cfg.alpha), "step": str(self.step),
                 "total_steps": str(self.total_steps), "tokens_seen": str(self.tokens_seen)}
         tensors = adapter_io.flat_tensors(trainable_state(self.model))
+        self.exported_step = self.step
         return adapter_io.write(out, tensors, cfg.alpha / cfg.rank, meta, int(cfg.export_max_mib * 2**20))
 
     # ------------------------------------------------------------------ loop
@@ -321,6 +323,8 @@ class Trainer:
                 break
         bar.close()
         log.close()
+        if cfg.export_to is not None and self.exported_step != self.step:
+            self.export(cfg.export_to)  # a command with nothing left to train still hands back the adapter
 
 
 def latest_checkpoint(run: Path) -> Path | None:
