@@ -207,6 +207,13 @@ def test_export_to_writes_fp16_parts_that_apply_like_one_file(tmp_path):
         got2 = chained(b.ids, b.pos, mask=b.mask, logits_idx=b.logits_idx)[..., :VOCAB]
     torch.testing.assert_close(got, want, atol=1e-2, rtol=1e-2)  # fp16 rounding of the factors
     torch.testing.assert_close(got2, got, atol=1e-5, rtol=1e-5)
+    # a later command on the same run (resumed, nothing left to train) still hands back the adapter
+    for p in parts:
+        p.unlink()
+    again = Trainer(cfg(tmp_path, max_steps=3, export_to=out, export_max_mib=0.004), tiny_model(), exs, MASK, PAD)
+    again.load_state_dict(torch.load(sorted((tmp_path / "run").glob("ckpt-*.pt"))[-1], weights_only=False))
+    again.run(tmp_path / "run")
+    assert sorted(tmp_path.glob("adapter-*-of-*.safetensors")) == parts and again.step == 3
 
 
 @pytest.mark.parametrize("rank,parts", [(32, 2), (64, 3)])
