@@ -121,7 +121,8 @@ class Trainer:
                 p.data = p.data.to(torch.bfloat16)
         self.names = add_adapter(model, cfg.rank, cfg.alpha, cfg.seed, cfg.train_norms, new_token_id=mask_id)
         self.params = [p for n, p in model.named_parameters() if p.requires_grad]
-        self.opt = torch.optim.AdamW(self.params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.99))
+        self.opt = torch.optim.AdamW(self.params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.99),
+                                     fused=self.params[0].is_cuda or None)  # one kernel for ~200 LoRA tensors
         self.steps_per_epoch = max(1, len(examples) // cfg.batch_size)
         self.total_steps = max(1, math.ceil(cfg.epochs * self.steps_per_epoch))
         self.sched = torch.optim.lr_scheduler.LambdaLR(
