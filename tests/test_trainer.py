@@ -271,3 +271,17 @@ def test_trajectories_are_the_dllms_own_decoding(tmp_path, engine):
     assert [r["messages"][1]["content"] for r in recs] == [w.summary.text for w in want]
     with pytest.raises(ValueError, match="mode must be"):
         DistillConfig(prompts=prompts, out=out, mode="beam")
+
+
+def test_flex_failure_falls_back_to_the_dense_rule(monkeypatch):
+    """A flex failure (here: no flex backward on CPU) keeps training exact and stops `auto` choosing flex."""
+    import training.attention as attention
+
+    monkeypatch.setattr(attention, "flex_error", None)
+    model = wrapped()
+    b = batch_of(examples(3, seed=2))
+    want = model(b.ids, b.pos, mask=b.mask, logits_idx=b.logits_idx)  # LoRA params require grad
+    with pytest.warns(RuntimeWarning, match="flex_attention failed"):
+        got = model(b.ids, b.pos, mask=Flex(b.length, b.views, BS, b.visible), logits_idx=b.logits_idx)
+    torch.testing.assert_close(got, want)
+    assert attention.flex_error and not attention.flex_available(torch.device("cuda"))

@@ -14,6 +14,7 @@ Only ~1/5 of the (V+1)L x (V+1)L pairs are allowed at L = 224, so a dense mask w
 """
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import Callable
 
@@ -71,6 +72,7 @@ class Blockwise:
 
 
 _compiled_flex: Callable | None = None
+flex_error: str | None = None  # why flex_attention failed in this process; `auto` then stops choosing it
 
 
 def flex_available(device: torch.device) -> bool:
@@ -78,12 +80,15 @@ def flex_available(device: torch.device) -> bool:
         import torch.nn.attention.flex_attention  # noqa: F401
     except ImportError:
         return False
-    return device.type == "cuda"
+    return device.type == "cuda" and flex_error is None
 
 
 class Flex:
     """flex_attention with a BlockMask from `allowed`, built once per batch and shared by every layer
-    (compiled on CUDA; eager elsewhere, forward only)."""
+    (compiled on CUDA; eager elsewhere, forward only).
+
+    If flex fails (an untested GPU machine's compiler, or a backward on CPU), the batch goes on with the
+    dense mask and a warning, and `auto` picks blockwise/dense from then on: GPU minutes are not lost."""
 
     def __init__(self, length: int, views: int, block_size: int, visible: Tensor):
         from torch.nn.attention.flex_attention import create_block_mask
@@ -91,18 +96,30 @@ class Flex:
         def mask_mod(b, h, qi, ki):
             return allowed(qi, ki, visible[b], length, views, block_size)
 
+        self.length, self.views, self.block_size, self.visible = length, views, block_size, visible
         t = (views + 1) * length
         self.block_mask = create_block_mask(mask_mod, len(visible), None, t, t, device=visible.device)
+        self._dense: Tensor | None = None
 
     def __call__(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         from torch.nn.attention.flex_attention import flex_attention
 
-        global _compiled_flex
-        fn = flex_attention
-        if q.device.type == "cuda":  # torch.compile's automatic dynamic shapes cover the varying row length
-            _compiled_flex = _compiled_flex or torch.compile(flex_attention)
-            fn = _compiled_flex
-        return fn(q, k, v, block_mask=self.block_mask, enable_gqa=q.shape[1] != k.shape[1])
+        global _compiled_flex, flex_error
+        gqa = q.shape[1] != k.shape[1]
+        if flex_error is None:
+            fn = flex_attention
+            if q.device.type == "cuda":  # torch.compile's automatic dynamic shapes cover the varying row length
+                _compiled_flex = _compiled_flex or torch.compile(flex_attention)
+                fn = _compiled_flex
+            try:
+                return fn(q, k, v, block_mask=self.block_mask, enable_gqa=gqa)
+            except Exception as exc:  # noqa: BLE001 - any failure: fall back, exactly, and say so
+                flex_error = f"{type(exc).__name__}: {exc}"[:300]
+                warnings.warn(f"flex_attention failed ({flex_error}); using the dense mask for this batch and "
+                              "blockwise/dense attention after it", RuntimeWarning, stacklevel=2)
+        if self._dense is None:
+            self._dense = dense_mask(self.length, self.visible, self.views, self.block_size)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=self._dense, enable_gqa=gqa)
 
 
 def choose(impl: str, device: torch.device, block_aligned: bool) -> str:
