@@ -29,7 +29,7 @@ def cmd_distill(a: argparse.Namespace) -> None:
     _threads(a.threads)
     distill(DistillConfig(prompts=a.prompts, out=a.out, model=a.model, limit=a.limit, batch_size=a.batch_size,
                           max_new_tokens=a.max_new_tokens, time_budget_s=a.time_budget, mode=a.mode,
-                          threshold=a.threshold))
+                          threshold=a.threshold, dtype=a.dtype))
 
 
 def cmd_train(a: argparse.Namespace) -> None:
@@ -109,6 +109,8 @@ def parser() -> argparse.ArgumentParser:
     d.add_argument("--mode", choices=("ar", "diffusion"), default="ar",
                    help="ar: the AR base's answers; diffusion: the dLLM's own decoding trajectories (certainty-forcing data)")
     d.add_argument("--threshold", type=float, default=0.9, help="diffusion confidence threshold (--mode diffusion)")
+    d.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
+                   help="engine dtype (default: the engine's, float32 on CPU and bfloat16 on CUDA)")
     d.add_argument("--limit", type=int, default=None, help="use only the first N prompts of the file")
     d.add_argument("--batch-size", type=int, default=32, help="prompts decoded together")
     d.add_argument("--max-new-tokens", type=int, default=160, help="answer length cap")

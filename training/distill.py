@@ -29,6 +29,7 @@ class DistillConfig:
     time_budget_s: float | None = None  # stop after the batch that crosses this wall time
     mode: str = "ar"  # "ar": the base's answers; "diffusion": the dLLM's own trajectories
     threshold: float = 0.9  # diffusion confidence threshold (mode "diffusion")
+    dtype: str | None = None  # engine weights/activations: None = the engine's default (fp32 CPU, bf16 CUDA)
 
     def __post_init__(self) -> None:
         if self.mode not in ("ar", "diffusion"):
@@ -87,7 +88,7 @@ def distill(cfg: DistillConfig, engine=None) -> dict:
         prompts = prompts[:cfg.limit]
     done = done_prompts(cfg.out)
     todo = [p for p in prompts if p not in done]
-    engine = engine or Engine.load(cfg.model)
+    engine = engine or Engine.load(cfg.model, dtype=cfg.dtype)
     todo = bucket_by_length(todo, engine.encode, cfg.batch_size * 8)
     knobs = {"threshold": cfg.threshold} if cfg.mode == "diffusion" else {}
     dcfg = engine.decode_config(mode=cfg.mode, max_new_tokens=cfg.max_new_tokens, temperature=0.0, **knobs)
