@@ -170,7 +170,8 @@ def parser() -> argparse.ArgumentParser:
                        help="training throughput of trainer variants, measured interleaved -> JSON")
     h.add_argument("--data", type=Path, default=DATA / "distill.jsonl", help="training data")
     h.add_argument("--variants", default="before,after",
-                   help="comma list of: before (fp32 weights + autocast, dense mask), bf16_weights, after, fp32")
+                   help="comma list of: before (fp32 weights + autocast, dense mask), bf16_weights, after, "
+                        "micro4 (after in length-sorted micro-batches of 4), fp32")
     h.add_argument("--rounds", type=int, default=3, help="timed steps per variant (interleaved)")
     h.add_argument("--warmup", type=int, default=1, help="untimed steps per variant first")
     h.add_argument("--batch-size", type=int, default=4, help="sequences per step")
