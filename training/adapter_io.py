@@ -69,9 +69,10 @@ def write(path: Path, tensors: dict[str, Tensor], lora_scale: float, meta: dict[
         size += nbytes
     paths = part_paths(path, len(groups))
     path.parent.mkdir(parents=True, exist_ok=True)
-    for old in path.parent.glob(f"{path.stem}-*-of-*{path.suffix}"):
-        if old not in paths:
-            old.unlink()  # parts of an earlier, differently split export
+    stale = [*path.parent.glob(f"{path.stem}-*-of-*{path.suffix}"), path]
+    for old in stale:
+        if old not in paths and old.exists():
+            old.unlink()  # an earlier export split differently: never leave a mix of two exports
     for i, (p, keys) in enumerate(zip(paths, groups)):
         tmp = p.with_suffix(".tmp")
         save_file({k: tensors[k] for k in keys}, str(tmp), metadata={**md, "part": f"{i + 1}/{len(paths)}"})
