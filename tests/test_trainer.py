@@ -285,3 +285,16 @@ def test_flex_failure_falls_back_to_the_dense_rule(monkeypatch):
         got = model(b.ids, b.pos, mask=Flex(b.length, b.views, BS, b.visible), logits_idx=b.logits_idx)
     torch.testing.assert_close(got, want)
     assert attention.flex_error and not attention.flex_available(torch.device("cuda"))
+
+
+def test_adapter_parts_replace_each_other(tmp_path):
+    t = {"lora_A.w.weight": torch.ones(4, 64), "lora_B.w.weight": torch.ones(64, 4), "lora_A.v.weight": torch.ones(4, 64),
+         "lora_B.v.weight": torch.ones(64, 4), "extend.model.embed_tokens.weight": torch.ones(1, 8)}
+    t = {k: v.half() for k, v in t.items()}
+    out = tmp_path / "a.safetensors"
+    parts = adapter_io.write(out, t, 1.0, {}, max_bytes=1800)
+    assert len(parts) == 2 and not out.exists()  # a LoRA pair stays together
+    assert adapter_io.write(out, t, 1.0, {}) == [out]
+    assert sorted(tmp_path.iterdir()) == [out]  # the old parts are gone, no mix of two exports
+    with pytest.raises(ValueError, match="exceeds max_bytes"):
+        adapter_io.write(out, t, 1.0, {}, max_bytes=600)
