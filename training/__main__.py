@@ -55,6 +55,20 @@ def cmd_throughput(a: argparse.Namespace) -> None:
     from .throughput import ThroughputConfig, measure
 
     _threads(a.threads)
+    if a.padding:
+        from engine.loading import load_tokenizer, resolve_source
+
+        from .data import load_data
+        from .throughput import padding_table
+
+        tok = load_tokenizer(resolve_source("bundled-base").path, add_mask_token=True)
+        vocab = tok.get_vocab()
+        examples, _ = load_data(a.data, tok, vocab["<|im_end|>"], a.max_len)
+        rows = padding_table(examples, vocab["|<MASK>|"], [(4, 4), (16, 16), (16, 4), (64, 8), (64, 4)])
+        a.out.parent.mkdir(parents=True, exist_ok=True)
+        a.out.write_text(json.dumps({"data": str(a.data), "max_len": a.max_len, "recipe": "full", "rows": rows}, indent=1))
+        print(json.dumps(rows, indent=1))
+        return
     rep = measure(ThroughputConfig(data=a.data, variants=a.variants.split(","), rounds=a.rounds, warmup=a.warmup,
                                    batch_size=a.batch_size, micro_batch=a.micro_batch, max_len=a.max_len,
                                    rank=a.rank, profile=a.profile, out=a.out))
@@ -179,6 +193,8 @@ def parser() -> argparse.ArgumentParser:
     h.add_argument("--max-len", type=int, default=256, help="tokens kept per sequence")
     h.add_argument("--rank", type=int, default=32, help="LoRA rank")
     h.add_argument("--profile", action="store_true", help="add the top operators of one profiled step per variant")
+    h.add_argument("--padding", action="store_true",
+                   help="instead: count model tokens per answer token for batch/micro-batch shapes (no model, no timing)")
     h.add_argument("--out", type=Path, default=Path("bench/results/train_throughput.json"), help="JSON report")
     h.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     h.set_defaults(func=cmd_throughput)

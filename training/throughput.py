@@ -49,6 +49,32 @@ class ThroughputConfig:
             raise ValueError(f"rounds must be >= 1 and warmup >= 0 (got {self.rounds}, {self.warmup})")
 
 
+def padding_table(examples: list, mask_id: int, shapes: list[tuple[int, int]], sequences: int = 1280,
+                  seed: int = 0) -> list[dict]:
+    """Model tokens per answer token for (batch_size, micro_batch) shapes: the compute that padding and
+    the recipe's three segments cost, counted (no model): sorted micro-batches pad to their own longest row."""
+    from .recipe import build_batch, draw_noise
+
+    gen = torch.Generator().manual_seed(seed)
+    perm = torch.randperm(len(examples), generator=gen).tolist()[:sequences]
+    rows = []
+    for batch, micro in shapes:
+        model_tokens = answers = 0
+        for s in range(0, len(perm) - batch + 1, batch):
+            step = [examples[i] for i in perm[s:s + batch]]
+            if micro < batch:
+                step.sort(key=lambda e: len(e.ids))
+            for j in range(0, batch, micro):
+                part = step[j:j + micro]
+                b = build_batch(part, [draw_noise(e, 32, gen) for e in part], recipe="full", block_size=32,
+                                mask_id=mask_id, pad_id=0)
+                model_tokens += b.ids.numel()
+                answers += b.answer_tokens
+        rows.append({"batch_size": batch, "micro_batch": micro,
+                     "model_tokens_per_answer_token": round(model_tokens / answers, 3)})
+    return rows
+
+
 def profile_step(trainer, top: int = 12) -> list[dict]:
     """Self time of the costliest operators in one training step (ms), matmuls and attention included."""
     from torch.profiler import ProfilerActivity, profile
