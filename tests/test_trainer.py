@@ -233,9 +233,12 @@ def test_real_base_adapter_fits_16_mib_files(tmp_path, rank, parts):
 
 def test_token_id_reader_plugs_into_load_data(tmp_path):
     """A shard reader registered by suffix feeds the trainer without a tokenizer (uint16 npz)."""
-    path = tmp_path / "shard.npz"
+    path = tmp_path / "shards" / "000.npz"
+    path.parent.mkdir()
     np.savez(path, tokens=np.array([5, 6, 7, 8, 9, 3, 4, 11, 12], dtype=np.uint16),
              prompt_len=np.array([3, 2], dtype=np.uint16), answer_len=np.array([2, 2], dtype=np.uint16))
+    np.savez(path.with_name("001.npz"), tokens=np.array([1, 2, 3], dtype=np.uint16),
+             prompt_len=np.array([1], dtype=np.uint16), answer_len=np.array([2], dtype=np.uint16))
 
     def read(p):
         z = np.load(p)
@@ -247,10 +250,14 @@ def test_token_id_reader_plugs_into_load_data(tmp_path):
     PAIR_READERS[".npz"] = read
     try:
         exs, stats = load_data(path, tok=None, stop_id=0, max_len=8)
+        every, _ = load_data(path.parent, tok=None, stop_id=0, max_len=8)  # a directory of shards, in order
     finally:
         del PAIR_READERS[".npz"]
     assert [(e.ids, e.prompt_len) for e in exs] == [([5, 6, 7, 8, 9], 3), ([3, 4, 11, 12], 2)]
     assert stats["records"] == 2
+    assert [(e.ids, e.prompt_len) for e in every] == [(e.ids, e.prompt_len) for e in exs] + [([1, 2, 3], 1)]
+    with pytest.raises(ValueError, match="registered suffix"):
+        load_data(path.parent, tok=None, stop_id=0, max_len=8)
 
 
 def test_trajectories_are_the_dllms_own_decoding(tmp_path, engine):
