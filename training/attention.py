@@ -129,7 +129,8 @@ def choose(impl: str, device: torch.device, block_aligned: bool) -> str:
     if impl == "blockwise" and not block_aligned:
         raise ValueError("attention 'blockwise' needs block-aligned sequences (recipe 'pad' or 'full', not 'naive')")
     if impl == "flex" and not flex_available(device):
-        raise ValueError(f"attention 'flex' needs CUDA and torch.nn.attention.flex_attention (device: {device})")
+        why = f"it failed earlier in this process ({flex_error})" if flex_error else f"device: {device}"
+        raise ValueError(f"attention 'flex' needs CUDA and torch.nn.attention.flex_attention ({why})")
     if impl != "auto":
         return impl
     if flex_available(device):
