@@ -185,7 +185,7 @@ def parser() -> argparse.ArgumentParser:
     h.add_argument("--data", type=Path, default=DATA / "distill.jsonl", help="training data")
     h.add_argument("--variants", default="before,after",
                    help="comma list of: before (fp32 weights + autocast, dense mask), bf16_weights, after, "
-                        "micro4 (after in length-sorted micro-batches of 4), fp32")
+                        "b16_micro4 (after, 16 sequences a step in length-sorted micro-batches of 4), fp32")
     h.add_argument("--rounds", type=int, default=3, help="timed steps per variant (interleaved)")
     h.add_argument("--warmup", type=int, default=1, help="untimed steps per variant first")
     h.add_argument("--batch-size", type=int, default=4, help="sequences per step")

@@ -22,7 +22,7 @@ VARIANTS: dict[str, dict] = {
     "before": {"bf16_weights": False, "attention": "dense"},
     "bf16_weights": {"bf16_weights": True, "attention": "dense"},
     "after": {},  # the defaults: bf16 weights, attention auto (blockwise on CPU, flex on CUDA)
-    "micro4": {"micro_batch": 4},  # after + the step's sequences in length-sorted micro-batches of 4
+    "b16_micro4": {"batch_size": 16, "micro_batch": 4},  # after, 16 sequences a step in sorted micro-batches of 4
     "fp32": {"bf16": False, "attention": "dense"},
 }
 
@@ -104,9 +104,8 @@ def measure(cfg: ThroughputConfig) -> dict:
     base = build_model(src.path, dev, torch.float32)
     trainers = {}
     for name in cfg.variants:
-        knobs = {"micro_batch": cfg.micro_batch, **VARIANTS[name]}
-        tc = TrainConfig(run=Path("/nonexistent"), batch_size=cfg.batch_size, max_len=cfg.max_len, rank=cfg.rank,
-                         progress=False, **knobs)
+        knobs = {"batch_size": cfg.batch_size, "micro_batch": cfg.micro_batch, **VARIANTS[name]}
+        tc = TrainConfig(run=Path("/nonexistent"), max_len=cfg.max_len, rank=cfg.rank, progress=False, **knobs)
         trainers[name] = Trainer(tc, copy.deepcopy(base), examples, mask_id, pad_id)
     del base
     steps: dict[str, list[dict]] = {n: [] for n in cfg.variants}
