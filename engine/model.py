@@ -64,7 +64,9 @@ class Rope(nn.Module):
     def __init__(self, head_dim: int, theta: float):
         super().__init__()
         inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
-        self.register_buffer("inv_freq", inv, persistent=False)
+        # A plain attribute, not a buffer: Module.to(dtype=bf16) would round it, and bf16 angles drift by
+        # up to ~1.4 rad at position 1,000 (theta 1e5). The tables are computed in fp32, then cast.
+        self.inv_freq = inv
         self._cos: Tensor | None = None
         self._sin: Tensor | None = None
 
