@@ -58,7 +58,8 @@ def check_against_transformers(path: Path, device: str, vocab: int) -> None:
     ours_err, hf_err = logits_error(got16, ref32), logits_error(hf16, ref32)
     print(f"{device} bf16: ours vs fp32 {ours_err:.4f}, transformers bf16 vs fp32 {hf_err:.4f}")
     assert ours_err <= 1.5 * hf_err + 1e-3, (ours_err, hf_err)
-    assert (got16.argmax(-1) == ref32.argmax(-1)).float().mean() >= 0.9
+    agree = lambda x: (x.argmax(-1) == ref32.argmax(-1)).float().mean().item()  # noqa: E731
+    assert agree(got16) >= min(0.9, agree(hf16) - 0.03), (agree(got16), agree(hf16))  # bf16 flips near-ties
 
 
 # ------------------------------------------------------------------ forward vs transformers (fp32 and bf16)

@@ -103,12 +103,17 @@ def examples_from_pairs(pairs: Pairs, max_len: int, min_answer: int = 1) -> tupl
 
 def load_data(path: Path, tok, stop_id: int, max_len: int, keep_truncated: bool = True) -> tuple[list[Example], dict]:
     """Examples from a registered token-id source (PAIR_READERS, by suffix; a directory: its files with a
-    registered suffix, in name order, e.g. shards) or from chat JSONL."""
+    registered suffix, in name order), a `training selfinstruct` shard directory, or chat JSONL."""
     if path.is_dir():
         files = sorted(p for p in path.iterdir() if p.suffix in PAIR_READERS)
-        if not files:
-            raise ValueError(f"data: {path} holds no file with a registered suffix {sorted(PAIR_READERS)}")
-        return examples_from_pairs((pair for f in files for pair in PAIR_READERS[f.suffix](f)), max_len)
+        if files:
+            return examples_from_pairs((pair for f in files for pair in PAIR_READERS[f.suffix](f)), max_len)
+        from .selfinstruct import shard_paths
+
+        if shard_paths(path):
+            return load_examples(path, tok, stop_id, max_len, keep_truncated)
+        raise ValueError(f"data: {path} holds neither `training selfinstruct` shards (shard-*.npz) nor a file "
+                         f"with a registered suffix {sorted(PAIR_READERS)}")
     reader = PAIR_READERS.get(path.suffix)
     if reader is not None:
         return examples_from_pairs(reader(path), max_len)
