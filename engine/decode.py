@@ -140,14 +140,15 @@ class Decoder:
         return [r.summary for r in rows]  # type: ignore[misc]  # rows are in caller order
 
     def new_rows(self, prompts: list[list[int]], *, indices: list[int] | None = None,
-                 listeners: list[Listener | None] | None = None,
+                 max_new: list[int] | None = None, listeners: list[Listener | None] | None = None,
                  cancels: list[Cancel | None] | None = None) -> list[Row]:
-        """Fresh rows for prompts; a scheduler gives each its own index (event.row), listener and stop flag."""
-        cfg, t0 = self.cfg, time.perf_counter()
-        skip = self.stop_ids | self.tb.special
-        return [Row(indices[i] if indices else i, len(p), len(p) + cfg.max_new_tokens,
-                    IncrementalDetokenizer(self.tb, skip), [None] * cfg.max_new_tokens, t0=t0,
-                    listener=listeners[i] if listeners else None, cancel=cancels[i] if cancels else None)
+        """Fresh rows for prompts; a scheduler gives each its own index (event.row), answer cap, listener and
+        stop flag (the rest of the DecodeConfig is the batch's)."""
+        t0, skip = time.perf_counter(), self.stop_ids | self.tb.special
+        caps = max_new or [self.cfg.max_new_tokens] * len(prompts)
+        return [Row(indices[i] if indices else i, len(p), len(p) + caps[i], IncrementalDetokenizer(self.tb, skip),
+                    [None] * caps[i], t0=t0, listener=listeners[i] if listeners else None,
+                    cancel=cancels[i] if cancels else None)
                 for i, p in enumerate(prompts)]
 
     def _max_len(self, rows: list[Row]) -> int:
