@@ -12,7 +12,7 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -49,7 +49,8 @@ class ApiRequest:
 
     chat: bool
     prompt: str  # the text the model continues (chat template applied for chat)
-    user_text: str  # what the trace header shows as the prompt
+    user_text: str | None  # what the trace header shows as the prompt
+    ids: list[int] | None  # /v1/completions may send token ids instead of text (OpenAI allows both)
     cfg: DecodeConfig
     stream: bool = False
     include_usage: bool = False
@@ -111,9 +112,12 @@ def parse(body: Any, chat: bool, engine: Engine, model_id: str) -> ApiRequest:
     unknown = sorted(set(body) - known)
     if unknown:
         raise ApiError(400, f"{unknown[0]}: unknown parameter; decoding knobs: {', '.join(KNOBS)}", unknown[0])
+    ids = None
     if chat:
         msgs = _messages(body.get("messages"))
         prompt, user_text = engine.chat_prompt(msgs), msgs[-1]["content"]
+    elif isinstance(body.get("prompt"), list) and body["prompt"] and all(type(t) is int for t in body["prompt"]):
+        ids, prompt, user_text = _token_ids(body["prompt"], engine), "ids", None
     else:
         prompt = user_text = _text(body.get("prompt"), "prompt")
     if not prompt.strip():
@@ -136,8 +140,15 @@ def parse(body: Any, chat: bool, engine: Engine, model_id: str) -> ApiRequest:
     opts = body.get("stream_options") or {}
     if not isinstance(opts, dict):
         raise ApiError(400, "stream_options: must be an object", "stream_options")
-    return ApiRequest(chat, prompt, user_text, cfg, _bool(body, "stream"), bool(opts.get("include_usage")),
+    return ApiRequest(chat, prompt, user_text, ids, cfg, _bool(body, "stream"), bool(opts.get("include_usage")),
                       _bool(body, "denoise_events"), _stops(body.get("stop")), name)
+
+
+def _token_ids(ids: list[int], engine: Engine) -> list[int]:
+    vocab = engine.lm.cfg.vocab_size
+    if not all(0 <= t < vocab for t in ids):
+        raise ApiError(400, f"prompt: token ids must be in [0, {vocab})", "prompt")
+    return ids
 
 
 class StopMatcher:
@@ -210,19 +221,43 @@ def create_app(engine: Engine, scheduler: Scheduler, model_id: str | None = None
     async def _api_error(_: Request, e: ApiError) -> JSONResponse:
         return e.response()
 
+    lm = engine.lm
+    about = {"banner": lm.banner(), "can_diffuse": engine.can_diffuse, "max_model_len": engine.max_context,
+             "bd_size": lm.cfg.bd_size, "source": lm.source.reason, "adapter": bool(lm.source.adapter),
+             "device": lm.device.type, "dtype": str(lm.dtype).replace("torch.", ""),
+             "mask_token_id": lm.mask_token_id, "stop_token_ids": list(lm.stop_token_ids)}  # what a remote studio
+    # shows, lays its live view out by, and writes into trace headers
+
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
         return {"object": "list", "data": [{"id": model_id, "object": "model", "created": created,
-                                            "owned_by": "fast-dllm-v2", "banner": engine.lm.banner(),
-                                            "can_diffuse": engine.can_diffuse}]}
+                                            "owned_by": "fast-dllm-v2", **about}]}
 
-    async def complete(request: Request, chat: bool):
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> dict[str, Any]:
+        """vLLM's /tokenize (prompt, or messages with the chat template), plus the templated text."""
+        body = await _json(request)
+        if "messages" in body:
+            text = engine.chat_prompt(_messages(body["messages"]))
+        else:
+            text = _text(body.get("prompt"), "prompt")
+        if len(text) > MAX_PROMPT_CHARS:
+            raise ApiError(400, f"prompt: longer than {MAX_PROMPT_CHARS} characters", "prompt")
+        ids = engine.encode(text)
+        return {"count": len(ids), "max_model_len": engine.max_context, "tokens": ids, "prompt": text}
+
+    async def _json(request: Request) -> dict[str, Any]:
         try:
             body = await request.json()
         except (json.JSONDecodeError, UnicodeDecodeError):
             raise ApiError(400, "the request body is not valid JSON") from None
-        req = parse(body, chat, engine, model_id)
-        ids = engine.encode(req.prompt)
+        if not isinstance(body, dict):
+            raise ApiError(400, "the request body must be a JSON object")
+        return body
+
+    async def complete(request: Request, chat: bool):
+        req = parse(await _json(request), chat, engine, model_id)
+        ids = req.ids or engine.encode(req.prompt)
         try:
             live = LiveTicket(scheduler, ids, req.cfg, req.user_text, record=req.denoise_events)
         except ConfigError:  # the only check left after parse(): the prompt does not fit the context
@@ -295,7 +330,8 @@ def create_app(engine: Engine, scheduler: Scheduler, model_id: str | None = None
             res = live.result()
             tail = stop.flush()
             reason = "stop" if stop.hit else FINISH.get(res.summary.stop_reason, "stop")
-            yield chunk(tail or None, reason) if req.chat else chunk(tail, reason)
+            last = {"denoise_summary": asdict(res.summary)} if req.denoise_events else {}
+            yield chunk(tail or None, reason, **last) if req.chat else chunk(tail, reason, **last)
             if req.include_usage:
                 yield "data: " + json.dumps({**head, "object": obj, "choices": [],
                                              "usage": usage(n_prompt, res.summary)}) + "\n\n"

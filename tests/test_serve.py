@@ -308,3 +308,49 @@ def test_bounded_soak_keeps_memory_flat(api):
     assert after - before < 100, (before, after)
     assert threading.active_count() <= threads_before + 2
     print(f"\n[serve] soak: 120 requests in {time.perf_counter() - t0:.0f} s; RSS {before:.0f} -> {after:.0f} MB")
+
+
+# ---------------------------------------------------------------- the studio on a remote engine
+def test_the_studio_on_a_remote_engine_sees_the_same_runs(api):
+    """app.backend.RemoteEngine behind the studio's own operations: same answers, events, traces, and its Stop."""
+    from app import stream
+    from app.backend import RemoteEngine
+    from app.studio import Studio
+    from engine import ConfigError
+
+    previous = stream._engine
+    remote = RemoteEngine(api.url)
+    try:
+        assert remote.can_diffuse and remote.max_context == api.engine.max_context
+        assert remote.encode(remote.chat_prompt([{"role": "user", "content": "hi"}])) == \
+            api.engine.encode(api.engine.chat_prompt([{"role": "user", "content": "hi"}]))
+        settings = {"mode": "diffusion", "cache": "block", "max_new_tokens": 8}
+        *_, (text, trace_json) = Studio(remote).generate(PROMPTS[4], None, settings)
+        *_, (ref_text, ref_json) = Studio(api.engine).generate(PROMPTS[4], None, settings)
+        tr, ref = Trace.loads(trace_json), Trace.loads(ref_json)
+        assert text == ref_text and tr.summary.token_ids == ref.summary.token_ids
+        assert [(e.kind, e.nfe, e.block, e.sub_block, [t.id for t in e.committed]) for e in tr.events] == \
+            [(e.kind, e.nfe, e.block, e.sub_block, [t.id for t in e.committed]) for e in ref.events]
+        assert tr.header == ref.header
+        studio = Studio(remote)
+        *_, rows = studio.sweep(PROMPTS[4], [0.9, 1.0], [32], {"cache": "block", "max_new_tokens": 4})
+        assert [r["threshold"] for r in rows] == [0.9, 1.0] and all(r["nfe"] > 0 for r in rows)
+        *_, race = studio.race(PROMPTS[4], {"cache": "block", "max_new_tokens": 4})
+        assert race["ar"]["answer_tokens"] > 0 and race["diffusion"]["answer_tokens"] > 0
+        with pytest.raises(ConfigError, match=r"prompt: token ids must be in \[0, "):  # the server's 400, named
+            remote.generate_ids([[10**7]], remote.decode_config(mode="ar", max_new_tokens=2))
+        stop = threading.Event()
+        seen = []
+
+        def listener(e):
+            seen.append(e)
+            if len(seen) == 2:
+                stop.set()  # the studio's Stop button
+
+        ids = remote.encode(remote.chat_prompt([{"role": "user", "content": "Write a long story about a dragon."}]))
+        [res] = remote.generate_ids([ids], remote.decode_config(mode="ar", max_new_tokens=48), listener=listener,
+                                    cancel=stop)
+        assert res.summary.stop_reason == "cancelled" and res.summary.answer_tokens < 48
+        wait_until(lambda: api.scheduler.running == 0, 10)  # the server dropped the row when the stream closed
+    finally:
+        stream._engine = previous  # the studio module keeps one engine: give the other test modules theirs back
