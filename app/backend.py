@@ -4,11 +4,14 @@ The studio calls the engine through a few methods (chat_prompt, encode, decode_c
 generate_ids with a listener and a stop flag). RemoteEngine implements them against `python -m engine serve`:
 tokens from its /tokenize, the decode from a streamed /v1/completions of those token ids with
 `denoise_events: true`, so the live view, meters, replay, race and sweep see the same events and traces as
-in-process. Other OpenAI-compatible servers (SGLang, vLLM) stream text without denoise events: README, Serving.
+in-process. Against other OpenAI-compatible servers (vLLM, SGLang: they have /tokenize and token-id prompts but no
+denoise events) it streams text only: the chat and the token/time meters work, the denoising view stays empty,
+NFE is unknown (0), and the decoding knobs are the server's own (README, Serving).
 """
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import dataclass, replace
 from types import SimpleNamespace
 from typing import Any
@@ -20,6 +23,7 @@ from engine.decode import Cancel
 from engine.events import Listener
 
 KNOBS = ("mode", "block_size", "sub_block_size", "threshold", "strategy", "factor", "cache")
+MESSAGES = "\x00messages:"  # chat_prompt's result on a plain server: the messages, templated by its /tokenize
 
 
 class RemoteError(RuntimeError):
@@ -46,7 +50,7 @@ class RemoteLM:
 class RemoteEngine:
     """Engine's studio-facing methods over `python -m engine serve` at url (…/v1 or the server root)."""
 
-    def __init__(self, url: str, timeout: float = 600.0):
+    def __init__(self, url: str, timeout: float = 600.0, plain: bool | None = None):
         self.base = url.rstrip("/").removesuffix("/v1")
         self.http = httpx.Client(base_url=self.base, timeout=timeout)
         try:
@@ -55,8 +59,9 @@ class RemoteEngine:
         except httpx.HTTPError as e:
             raise RemoteError(f"engine url: {self.base}/v1/models did not answer ({e})") from None
         m = r.json()["data"][0]
+        self.plain = "can_diffuse" not in m if plain is None else plain  # not our server: text only
         self.model_id = m["id"]
-        self.can_diffuse = bool(m.get("can_diffuse", False))
+        self.can_diffuse = bool(m.get("can_diffuse", True))  # a plain server decodes however it is configured
         self.max_context = int(m.get("max_model_len", 8192))
         self.lm = RemoteLM(m["id"], SimpleNamespace(reason=m.get("source", "remote"), adapter=m.get("adapter")),
                            SimpleNamespace(type=m.get("device", "remote")), m.get("dtype", "?"),
@@ -71,10 +76,16 @@ class RemoteEngine:
         return r.json()
 
     def chat_prompt(self, messages: list[dict[str, str]]) -> str:
+        if self.plain:  # vLLM's /tokenize applies the chat template but does not return the text
+            return MESSAGES + json.dumps(messages)
         return self._post("/tokenize", {"model": self.model_id, "messages": messages})["prompt"]
 
     def encode(self, text: str) -> list[int]:
-        return self._post("/tokenize", {"model": self.model_id, "prompt": text})["tokens"]
+        if text.startswith(MESSAGES):
+            body = {"model": self.model_id, "messages": json.loads(text[len(MESSAGES):]), "add_generation_prompt": True}
+        else:
+            body = {"model": self.model_id, "prompt": text}
+        return self._post("/tokenize", body)["tokens"]
 
     def decode_config(self, **overrides: Any) -> DecodeConfig:
         """Validated here with the same rules, the server model's stop tokens filled in (as Engine does)."""
@@ -110,10 +121,12 @@ class RemoteEngine:
 
     def _one(self, ids: list[int], cfg: DecodeConfig, listener: Listener | None, cancel: Cancel | None,
              record: bool, prompt_text: str | None) -> Result:
-        body = {"model": self.model_id, "prompt": ids, "stream": True, "denoise_events": True,
-                "max_tokens": cfg.max_new_tokens, "temperature": cfg.temperature, "top_p": cfg.top_p,
-                **({"seed": cfg.seed} if cfg.seed is not None else {}), **{k: getattr(cfg, k) for k in KNOBS}}
+        body = {"model": self.model_id, "prompt": ids, "stream": True, "max_tokens": cfg.max_new_tokens,
+                "temperature": cfg.temperature, "top_p": cfg.top_p, **({"seed": cfg.seed} if cfg.seed is not None else {})}
         trace = Trace(self.trace_header(ids, cfg, prompt_text))
+        if self.plain:
+            return self._plain(body, trace, listener, cancel, record)
+        body |= {"denoise_events": True, **{k: getattr(cfg, k) for k in KNOBS}}
         summary: Summary | None = None
         with self.http.stream("POST", "/v1/completions", json=body) as r:
             if r.status_code >= 400:
@@ -137,6 +150,47 @@ class RemoteEngine:
             summary = _cancelled(trace)
         trace.summary = summary
         return Result(summary, trace if record else None)
+
+
+    def _plain(self, body: dict[str, Any], trace: Trace, listener: Listener | None, cancel: Cancel | None,
+               record: bool) -> Result:
+        """Text only: one event per streamed chunk (no tokens, no masks); the meters from usage and client time."""
+        t0, text, ttft, tokens, reason = time.perf_counter(), "", None, 0, "max_new_tokens"
+
+        def emit(kind: str, delta: str) -> None:
+            e = Event(kind, 0, 0, 0, -1, [], [], delta, time.perf_counter() - t0)
+            trace.events.append(e)
+            if listener is not None:
+                listener(e)
+
+        body = {**body, "stream_options": {"include_usage": True}}
+        with self.http.stream("POST", "/v1/completions", json=body) as r:
+            if r.status_code >= 400:
+                raise _error(r.status_code, r.read().decode("utf-8", "replace"))
+            for line in r.iter_lines():
+                if cancel is not None and cancel.is_set():
+                    reason = "cancelled"
+                    break
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    raise RemoteError(chunk["error"].get("message", "decoding failed"))
+                for c in chunk.get("choices") or []:
+                    if c.get("text"):
+                        ttft = ttft if ttft is not None else time.perf_counter() - t0
+                        text += c["text"]
+                        emit("step", c["text"])
+                    if c.get("finish_reason"):
+                        reason = "max_new_tokens" if c["finish_reason"] == "length" else "stop_token"
+                if chunk.get("usage"):
+                    tokens = int(chunk["usage"].get("completion_tokens") or 0)
+        emit("done", "")
+        secs = time.perf_counter() - t0
+        trace.summary = Summary(answer_tokens=tokens, nfe=0, tokens_per_forward=0.0, seconds=secs,
+                                tokens_per_second=tokens / secs if secs > 0 else 0.0,
+                                ttft=ttft if ttft is not None else secs, stop_reason=reason, text=text, token_ids=[])
+        return Result(trace.summary, trace if record else None)
 
 
 def _cancelled(trace: Trace) -> Summary:

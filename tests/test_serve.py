@@ -352,5 +352,12 @@ def test_the_studio_on_a_remote_engine_sees_the_same_runs(api):
                                     cancel=stop)
         assert res.summary.stop_reason == "cancelled" and res.summary.answer_tokens < 48
         wait_until(lambda: api.scheduler.running == 0, 10)  # the server dropped the row when the stream closed
+        # A plain OpenAI-compatible server (vLLM, SGLang): /tokenize, token-id prompts, text only, the server's knobs
+        plain = RemoteEngine(api.url, plain=True)
+        *_, (text, trace_json) = Studio(plain).generate(PROMPTS[5], None, {"max_new_tokens": 6})
+        ref = single(api.engine, PROMPTS[5], {}, 6)  # the server's defaults decide (no knobs are sent)
+        tr = Trace.loads(trace_json)
+        assert text == ref.text == tr.summary.text and tr.summary.answer_tokens == ref.answer_tokens
+        assert tr.summary.nfe == 0 and tr.events[-1].kind == "done" and not any(e.committed for e in tr.events)
     finally:
         stream._engine = previous  # the studio module keeps one engine: give the other test modules theirs back
