@@ -1,9 +1,10 @@
 """Serving benchmark: N concurrent streaming clients against one client, through `python -m engine serve`.
 
 The server runs in its own process (as deployed); clients use the official `openai` package and stream. For each
-setting: one client sends every prompt in turn, then N clients send theirs at once (client i: prompt i, `rounds`
-times). Reported: aggregate answer tokens/s of both phases and their ratio, client-side TTFT p50/p95 (request
-sent -> first text), and whether every concurrent answer equals the one-client answer of its prompt.
+setting, `repeats` times: one client sends the N prompts in turn, then N clients send one prompt each at once.
+The two phases alternate so that the load of a shared machine drifts over both alike. Reported: aggregate answer
+tokens/s of each phase (tokens / wall time, summed over repeats) and their ratio, client-side TTFT p50/p95
+(request sent -> first text), and whether every concurrent answer equals the one-client answer of its prompt.
 """
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--url", help="an already running server's /v1 URL (default: start `python -m engine serve`)")
     p.add_argument("--model", help="model for the started server (default: the bundled one)")
     p.add_argument("--clients", type=int, default=8)
-    p.add_argument("--rounds", type=int, default=2, help="requests per client in the concurrent phase")
+    p.add_argument("--repeats", type=int, default=2, help="alternations of the one-client and N-client phases")
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--settings", default="ar,diffusion-block,diffusion-dual", help=f"of {', '.join(SETTINGS)}")
     p.add_argument("--prompts", default=str(DEFAULT_PROMPTS), help="JSONL of {\"prompt\": ...} (the first --clients are used)")
@@ -91,6 +92,18 @@ def percentile(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, max(0, round(q * (len(xs) - 1))))]
 
 
+def combine(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Repeats of one phase as one: tokens / wall summed, percentiles over every request."""
+    reqs = [r for run in runs for r in run["requests_detail"]]
+    wall, tokens = sum(r["wall_s"] for r in runs), sum(r["answer_tokens"] for r in runs)
+    ttfts = [r["ttft"] for r in reqs]
+    return {"clients": runs[0]["clients"], "requests": len(reqs), "wall_s": round(wall, 3), "answer_tokens": tokens,
+            "tokens_per_second": round(tokens / wall, 3), "per_repeat_tokens_per_second": [r["tokens_per_second"] for r in runs],
+            "ttft_p50_s": round(percentile(ttfts, 0.5), 3), "ttft_p95_s": round(percentile(ttfts, 0.95), 3),
+            "latency_p50_s": round(percentile([r["latency"] for r in reqs], 0.5), 3), "nfe": sum(r["nfe"] for r in reqs),
+            "requests_detail": reqs}
+
+
 def phase(url: str, model: str, jobs: list[list[str]], knobs: dict, max_tokens: int) -> dict[str, Any]:
     """Each inner list is one client's prompts (sent in turn); all clients start together."""
     import openai
@@ -132,8 +145,8 @@ def run(args: argparse.Namespace) -> int:
 
     names = [s for s in args.settings.split(",") if s]
     bad = [s for s in names if s not in SETTINGS]
-    if bad or args.clients < 2 or args.rounds < 1:
-        print(f"error: settings must be of {', '.join(SETTINGS)}; clients >= 2; rounds >= 1", file=sys.stderr)
+    if bad or args.clients < 2 or args.repeats < 1:
+        print(f"error: settings must be of {', '.join(SETTINGS)}; clients >= 2; repeats >= 1", file=sys.stderr)
         return 2
     prompts = load_prompts(args.prompts, args.clients)
     if len(prompts) < args.clients:
@@ -147,15 +160,21 @@ def run(args: argparse.Namespace) -> int:
         for name in names:
             knobs = SETTINGS[name]
             phase(url, info["id"], [[prompts[0]]], knobs, args.max_tokens)  # warm-up
-            alone = phase(url, info["id"], [prompts * args.rounds], knobs, args.max_tokens)
-            together = phase(url, info["id"], [[p] * args.rounds for p in prompts], knobs, args.max_tokens)
+            alones, togethers = [], []
+            for _ in range(args.repeats):
+                alones.append(phase(url, info["id"], [prompts], knobs, args.max_tokens))
+                togethers.append(phase(url, info["id"], [[p] for p in prompts], knobs, args.max_tokens))
+            alone, together = combine(alones), combine(togethers)
             ref = {r["prompt"]: r["text"] for r in alone["requests_detail"]}
             mismatched = [r["prompt"] for r in together["requests_detail"] if r["text"] != ref[r["prompt"]]]
             row = {"setting": name, "knobs": knobs, "one_client": alone, "concurrent": together,
                    "aggregate_speedup": round(together["tokens_per_second"] / alone["tokens_per_second"], 3),
+                   "per_repeat_speedup": [round(b["tokens_per_second"] / a["tokens_per_second"], 3)
+                                          for a, b in zip(alones, togethers)],
                    "same_answers": not mismatched, "mismatched_prompts": sorted(set(mismatched))}
             results.append(row)
-            print(f"{name}: 1 client {alone['tokens_per_second']:.2f} tok/s, {args.clients} clients "
+            print(f"{name}: 1 client {alone['tokens_per_second']:.2f} tok/s (TTFT p50 {alone['ttft_p50_s']:.2f} s), "
+                  f"{args.clients} clients "
                   f"{together['tokens_per_second']:.2f} tok/s ({row['aggregate_speedup']:.2f}x), TTFT p50/p95 "
                   f"{together['ttft_p50_s']:.2f}/{together['ttft_p95_s']:.2f} s, same answers: {row['same_answers']}",
                   file=sys.stderr)

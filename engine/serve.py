@@ -24,7 +24,7 @@ from .events import Event, Summary
 from .scheduler import MAX_BATCH, Scheduler, SchedulerBusy, Ticket
 
 KNOBS = ("mode", "block_size", "sub_block_size", "threshold", "strategy", "factor", "cache")
-IGNORED = ("user", "n", "presence_penalty", "frequency_penalty", "stream_options", "logprobs")  # accepted at defaults
+AT_DEFAULT = {"n": 1, "presence_penalty": 0, "frequency_penalty": 0, "logprobs": False}  # accepted, not implemented
 MAX_PROMPT_CHARS = 200_000  # tokenising is cheap, not free: bound it before the context check
 MAX_STOPS = 4
 FINISH = {"stop_token": "stop", "stop_string": "stop", "max_new_tokens": "length", "cancelled": "stop"}
@@ -103,12 +103,12 @@ def parse(body: Any, chat: bool, engine: Engine, model_id: str) -> ApiRequest:
     if body.get("model") != model_id:
         raise ApiError(404, f"model: {body.get('model')!r} is not served here; this server serves {model_id!r}",
                        "model", "model_not_found")
-    if body.get("n", 1) != 1:
-        raise ApiError(400, "n: only n = 1 is supported", "n")
-    if body.get("logprobs") not in (None, False, 0):
-        raise ApiError(400, "logprobs: not supported", "logprobs")
-    known = set(KNOBS) | set(IGNORED) | {"model", "messages", "prompt", "stream", "max_tokens", "max_completion_tokens",
-                                         "temperature", "top_p", "seed", "stop", "denoise_events"}
+    for k, default in AT_DEFAULT.items():
+        if body.get(k) not in (None, default):
+            raise ApiError(400, f"{k}: not supported; only {k} = {json.dumps(default)} (got {body[k]!r})", k)
+    known = set(KNOBS) | set(AT_DEFAULT) | {"model", "messages", "prompt", "stream", "stream_options", "user",
+                                            "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed",
+                                            "stop", "denoise_events"}
     unknown = sorted(set(body) - known)
     if unknown:
         raise ApiError(400, f"{unknown[0]}: unknown parameter; decoding knobs: {', '.join(KNOBS)}", unknown[0])

@@ -149,7 +149,9 @@ def test_denoise_events_stream_draws_the_live_view(api):
     ({"temperature": "hot"}, "temperature", "[0, 10]"),
     ({"top_p": 0}, "top_p", "(0, 1]"),
     ({"seed": -3}, "seed", "[0, 2^63)"),
-    ({"n": 2}, "n", "n = 1"),
+    ({"n": 2}, "n", "only n = 1"),
+    ({"presence_penalty": 0.5}, "presence_penalty", "only presence_penalty = 0"),
+    ({"logprobs": True}, "logprobs", "only logprobs = false"),
     ({"stop": [""]}, "stop", "non-empty"),
     ({"denoise_events": "yes"}, "denoise_events", "true or false"),
     ({"stream": 1}, "stream", "true or false"),
@@ -179,6 +181,16 @@ def test_client_errors_through_the_official_client(api):
         c.chat.completions.create(model=api.model, messages=[{"role": "tool", "content": "x"}])
     with httpx.Client(base_url=api.url, timeout=30) as h:
         assert h.post("/completions", content=b"{nope", headers={"content-type": "application/json"}).status_code == 400
+
+
+def test_serve_cli_rejects_bad_options_before_loading_the_model():
+    import subprocess
+    import sys
+
+    for args, needle in [(["--max-batch", "0"], "max_batch: must be an integer in [1, 256]"),
+                         (["--port", "70000"], "port: must be in [1, 65535]")]:
+        r = subprocess.run([sys.executable, "-m", "engine", "serve", *args], capture_output=True, text=True, timeout=120)
+        assert r.returncode == 2 and needle in r.stderr, r.stderr
 
 
 # ---------------------------------------------------------------- batching across users
