@@ -373,3 +373,27 @@ def test_the_studio_on_a_remote_engine_sees_the_same_runs(api):
         assert tr.summary.nfe == 0 and tr.events[-1].kind == "done" and not any(e.committed for e in tr.events)
     finally:
         stream._engine = previous  # the studio module keeps one engine: give the other test modules theirs back
+
+
+def test_app_py_engine_url_builds_the_studio_on_the_server(api, monkeypatch):
+    """`python app.py --engine-url URL` loads no model and builds the whole UI on the remote engine."""
+    import importlib.util
+    from pathlib import Path
+
+    import gradio as gr
+
+    import engine
+    from app import stream
+
+    spec = importlib.util.spec_from_file_location("app_main", Path(__file__).resolve().parent.parent / "app.py")
+    main = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(main)
+    launched: list = []
+    monkeypatch.setattr(engine.Engine, "load", classmethod(lambda cls, *a, **k: pytest.fail("loaded a model")))
+    monkeypatch.setattr(gr.Blocks, "launch", lambda self, **kw: launched.append(self))
+    previous = stream._engine
+    try:
+        main.main(["--engine-url", api.url.removesuffix("/v1")])
+        assert launched and stream.get_engine().lm.banner().endswith("remote " + api.url.removesuffix("/v1"))
+    finally:
+        stream._engine = previous
