@@ -69,13 +69,17 @@ def _bool(body: dict[str, Any], name: str) -> bool:
 
 
 def _text(v: Any, name: str) -> str:
-    """Message content: a string, or OpenAI's list of {type: text, text} parts."""
-    if isinstance(v, str):
-        return v
+    """Message content: a string, or OpenAI's list of {type: text, text} parts; valid Unicode only."""
     if isinstance(v, list) and all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
                                    for p in v):
-        return "".join(p["text"] for p in v)
-    raise ApiError(400, f"{name}: must be a string or a list of text parts", name)
+        v = "".join(p["text"] for p in v)
+    if not isinstance(v, str):
+        raise ApiError(400, f"{name}: must be a string or a list of text parts", name)
+    try:
+        v.encode("utf-8")
+    except UnicodeEncodeError as e:  # JSON can carry lone surrogates; the tokenizer cannot
+        raise ApiError(400, f"{name}: not valid Unicode (a lone surrogate at character {e.start})", name) from None
+    return v
 
 
 def _messages(v: Any) -> list[dict[str, str]]:
@@ -112,21 +116,21 @@ def parse(body: Any, chat: bool, engine: Engine, model_id: str) -> ApiRequest:
     unknown = sorted(set(body) - known)
     if unknown:
         raise ApiError(400, f"{unknown[0]}: unknown parameter; decoding knobs: {', '.join(KNOBS)}", unknown[0])
-    ids = None
+    where = "messages" if chat else "prompt"
+    ids, prompt, user_text = None, "", None
     if chat:
         msgs = _messages(body.get("messages"))
         prompt, user_text = engine.chat_prompt(msgs), msgs[-1]["content"]
     elif isinstance(body.get("prompt"), list) and body["prompt"] and all(type(t) is int for t in body["prompt"]):
-        ids, prompt, user_text = _token_ids(body["prompt"], engine), "ids", None
+        ids = _token_ids(body["prompt"], engine)
     else:
         prompt = user_text = _text(body.get("prompt"), "prompt")
-    if not prompt.strip():
-        raise ApiError(400, "prompt: must not be empty", "messages" if chat else "prompt")
+    if ids is None and not prompt.strip():
+        raise ApiError(400, f"{where}: the prompt must not be empty", where)
     if len(prompt) > MAX_PROMPT_CHARS:
-        raise ApiError(400, f"{'messages' if chat else 'prompt'}: longer than {MAX_PROMPT_CHARS} characters",
-                       "messages" if chat else "prompt")
+        raise ApiError(400, f"{where}: longer than {MAX_PROMPT_CHARS} characters", where)
     name = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
-    knobs = {k: body[k] for k in KNOBS if k in body}
+    knobs = {"mode": "diffusion" if engine.can_diffuse else "ar"} | {k: body[k] for k in KNOBS if k in body}
     for k in ("temperature", "top_p", "seed"):
         if body.get(k) is not None:
             knobs[k] = body[k]
@@ -134,6 +138,8 @@ def parse(body: Any, chat: bool, engine: Engine, model_id: str) -> ApiRequest:
         knobs["max_new_tokens"] = body[name]
     try:
         cfg = engine.decode_config(**knobs)
+        if cfg.mode == "diffusion" and not engine.can_diffuse:
+            raise ConfigError("mode", "this model has no |<MASK>| token and cannot decode by block diffusion; use 'ar'")
     except ConfigError as e:
         param = name if e.field == "max_new_tokens" else e.field
         raise ApiError(400, str(e).replace("max_new_tokens", param, 1), param) from None

@@ -181,6 +181,9 @@ def test_client_errors_through_the_official_client(api):
         c.chat.completions.create(model=api.model, messages=[{"role": "tool", "content": "x"}])
     with httpx.Client(base_url=api.url, timeout=30) as h:
         assert h.post("/completions", content=b"{nope", headers={"content-type": "application/json"}).status_code == 400
+        r = h.post("/completions", content=b'{"model": "%s", "prompt": "a\\ud800b"}' % api.model.encode(),
+                   headers={"content-type": "application/json"})
+        assert r.status_code == 400 and "prompt: not valid Unicode" in r.json()["error"]["message"], r.text
 
 
 def test_serve_cli_rejects_bad_options_before_loading_the_model():
