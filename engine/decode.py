@@ -62,7 +62,11 @@ class Batch:
 
 
 class Decoder:
-    """Decodes a batch; one Event per forward and row, then a 'done' Event per row."""
+    """Decodes a batch; one Event per forward and row, then a 'done' Event per row.
+
+    run() decodes to the end; prefill / step / merge / drop_cancelled go one forward at a time, so a scheduler can
+    add rows between forwards and drop one row alone.
+    """
 
     def __init__(self, model: CausalLM, cfg: DecodeConfig, mask_id: int | None, tb: TokenBytes,
                  listener: Listener | None = None, cancel: Cancel | None = None):
