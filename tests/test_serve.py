@@ -248,6 +248,29 @@ def test_late_arrivals_are_admitted_mid_batch_and_settings_are_grouped(api):
         assert got.summary.token_ids == ref.token_ids
 
 
+def test_full_batches_queue_and_a_full_waiting_line_refuses(engine):
+    """max_batch rows decode, later requests wait (FIFO), and past max_waiting submit() refuses at once (HTTP 503)."""
+    from engine.scheduler import SchedulerBusy
+
+    sched = Scheduler(engine, max_batch=1, max_waiting=1)
+    try:
+        ids = engine.encode(engine.chat_prompt([{"role": "user", "content": "Write a long story about a dragon."}]))
+        cfg = engine.decode_config(mode="ar", max_new_tokens=48)
+        running = sched.submit(ids, cfg, record=False)
+        wait_until(lambda: sched.running == 1, 60)  # admitted and prefilled: the batch is full
+        waiting = sched.submit(ids, cfg, record=False)
+        with pytest.raises(SchedulerBusy, match="1 requests are waiting"):
+            sched.submit(ids, cfg, record=False)
+        time.sleep(0.5)  # a few forwards: the waiting request stays out of the full batch
+        assert waiting.row is None and sched.running == 1 and not running.finished.is_set()
+        waiting.cancel()  # cancelled before admission: finishes without a forward
+        running.cancel()
+        assert waiting.wait(60).summary.stop_reason == running.wait(60).summary.stop_reason == "cancelled"
+        assert waiting.wait(0).summary.nfe == 0
+    finally:
+        sched.close()
+
+
 def test_a_disconnect_frees_its_row_within_one_forward_and_the_others_carry_on(api, monkeypatch):
     tickets = []
     real_submit = api.scheduler.submit
