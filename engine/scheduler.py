@@ -90,6 +90,7 @@ class Scheduler:
         self.waiting: deque[Ticket] = deque()
         self.groups: dict[tuple, Group] = {}
         self.forwards = 0  # forwards run by the worker (prefills included): what batching saves
+        self.running = 0  # rows in all batches after the worker's last pass (read from any thread)
         self._cv = threading.Condition()
         self._closed = False
         self._worker = threading.Thread(target=self._loop, name="fastdllm-scheduler", daemon=True)
@@ -115,11 +116,6 @@ class Scheduler:
     def generate_ids(self, ids: list[int], cfg: DecodeConfig, **kw: Any) -> Result:
         return self.submit(ids, cfg, **kw).wait()
 
-    @property
-    def running(self) -> int:
-        """Rows decoding now (all batches)."""
-        return sum(len(g.batch.rows) for g in list(self.groups.values()))
-
     def close(self) -> None:
         with self._cv:
             self._closed = True
@@ -140,6 +136,7 @@ class Scheduler:
                 self._admit(admit)
                 for key in list(self.groups):
                     self._step(key)
+            self.running = sum(len(g.batch.rows) for g in self.groups.values())
 
     def _take_waiting(self) -> list[Ticket]:
         """Waiting requests that fit into their batch now (FIFO; a full batch holds back only its own key)."""
