@@ -63,7 +63,9 @@ class RemoteEngine:
         self.model_id = m["id"]
         self.can_diffuse = bool(m.get("can_diffuse", True))  # a plain server decodes however it is configured
         self.max_context = int(m.get("max_model_len", 8192))
-        self.lm = RemoteLM(m["id"], SimpleNamespace(reason=m.get("source", "remote"), adapter=m.get("adapter")),
+        # the adapter as a URL: truthy for the banner, never a local file whose measurements would be shown as the server's
+        adapter = f"{self.base}/{m['adapter']}" if m.get("adapter") else None
+        self.lm = RemoteLM(m["id"], SimpleNamespace(reason=m.get("source", "remote"), adapter=adapter),
                            SimpleNamespace(type=m.get("device", "remote")), m.get("dtype", "?"),
                            m.get("mask_token_id"), SimpleNamespace(bd_size=int(m.get("bd_size", 32))), self.base)
         self.stop_token_ids = tuple(m.get("stop_token_ids", ()))

@@ -1,7 +1,6 @@
 """Plotly figures: the confidence heatmap of one trace and the threshold sweep."""
 from __future__ import annotations
 
-import colorsys
 import html
 from typing import Any
 
@@ -16,14 +15,11 @@ _FONT = dict(family="ui-sans-serif, system-ui, sans-serif", size=12, color="#8a8
 _GRID = "rgba(128,128,128,0.18)"
 
 
-def conf_colour(c: float) -> str:
-    """Low confidence red, high green; the same scale as the cells of static/studio.js."""
-    h = (8 + 127 * max(0.0, min(1.0, c))) / 360
-    r, g, b = colorsys.hls_to_rgb(h, 0.47, 0.68)
-    return f"#{int(r * 255):02x}{int(g * 255):02x}{int(b * 255):02x}"
-
-
-COLOURSCALE = [[i / 10, conf_colour(i / 10)] for i in range(11)]
+# Viridis (perceptually uniform, readable with every common colour-vision deficiency): low confidence dark
+# purple, high yellow. static/studio.js uses the same stops for the cells.
+VIRIDIS = ("#440154", "#3b528b", "#21918c", "#5ec962", "#fde725")
+COLOURSCALE = [[i / (len(VIRIDIS) - 1), c] for i, c in enumerate(VIRIDIS)]
+PALETTE = ("#0072b2", "#e69f00", "#009e73", "#cc79a7", "#d55e00")  # Okabe-Ito: colour-blind-safe lines
 
 
 def visible_piece(text: str) -> str:
@@ -77,45 +73,52 @@ def heatmap_figure(trace: Trace | None) -> go.Figure:
         for t in e.committed:
             if t.pos < width:
                 z[i][t.pos], text[i][t.pos] = t.conf, f"committed {visible_piece(t.text)}"
-                cx.append(t.pos)
+                cx.append(t.pos + 1)
                 cy.append(e.nfe)
                 ctext.append(f"{visible_piece(t.text)} · {t.conf:.3f}")
     fig = go.Figure()
     fig.add_trace(go.Heatmap(
-        z=z, x=list(range(width)), y=steps, customdata=text, zmin=0, zmax=1, colorscale=COLOURSCALE,
-        hovertemplate="pos %{x} · step %{y}<br>%{customdata}<br>confidence %{z:.3f}<extra></extra>",
+        z=z, x=list(range(1, width + 1)), y=steps, customdata=text, zmin=0, zmax=1, colorscale=COLOURSCALE,
+        hovertemplate="answer token %{x} · forward %{y}<br>%{customdata}<br>confidence %{z:.3f}<extra></extra>",
         colorbar=dict(title=dict(text="confidence"), thickness=12), xgap=1, ygap=1, hoverongaps=False))
     fig.add_trace(go.Scatter(x=cx, y=cy, mode="markers", name="commit", customdata=ctext,
-                             marker=dict(symbol="square-open", size=9, color="#222", line=dict(width=1.5)),
-                             hovertemplate="commit at step %{y}: pos %{x}<br>%{customdata}<extra></extra>"))
+                             marker=dict(symbol="square-open", size=9, color="#e8413c", line=dict(width=1.5)),
+                             hovertemplate="committed at forward %{y}: answer token %{x}<br>%{customdata}"
+                                           "<extra></extra>"))
     cfg = trace.header.get("config", {})
     title = (f"confidence while masked · {cfg.get('mode', '?')} · block {cfg.get('block_size')} / "
              f"sub-block {cfg.get('sub_block_size')} · threshold {cfg.get('threshold')}")
     fig = _layout(fig, title, 420)
-    fig.update_xaxes(title="answer position", tickformat="d", dtick=max(1, round(width / 16)))
-    fig.update_yaxes(title="decoding step (NFE)", autorange="reversed", tickformat="d",
+    fig.update_xaxes(title="answer token (1 = first)", tickformat="d", dtick=max(1, round(width / 16)))
+    fig.update_yaxes(title="forward (NFE, 1 = first)", autorange="reversed", tickformat="d",
                      dtick=max(1, round(len(steps) / 12)))
     fig.update_layout(showlegend=False)
     return fig
 
 
 def sweep_figure(rows: list[dict[str, Any]]) -> go.Figure:
-    """tokens/s and tokens/forward against threshold, one line per block size."""
+    """Median tokens/s (bars: the range over repeats) and tokens/forward against threshold, a line per block size.
+    Both y-axes start at zero, so differences are not magnified."""
     if not rows:
         return empty_figure("Run a sweep to plot tokens/s and tokens/forward against threshold.")
-    fig = make_subplots(rows=1, cols=2, subplot_titles=("tokens/s (engine time)", "tokens per forward"),
-                        horizontal_spacing=0.1)
-    palette = ["#4c8bf5", "#e8833a", "#3aa676", "#b35cd6", "#d64545"]
+    fig = make_subplots(rows=1, cols=2, subplot_titles=("tokens/s (engine time, median and range)",
+                                                        "tokens per forward"), horizontal_spacing=0.1)
     for k, bs in enumerate(sorted({r["block_size"] for r in rows})):
         pts = sorted((r for r in rows if r["block_size"] == bs), key=lambda r: r["threshold"])
-        colour = palette[k % len(palette)]
+        colour = PALETTE[k % len(PALETTE)]
         for col, key in ((1, "tokens_per_second"), (2, "tokens_per_forward")):
+            err = None
+            if key == "tokens_per_second":
+                err = dict(type="data", symmetric=False, thickness=1.5, width=4, color=colour,
+                           array=[p["tokens_per_second_max"] - p[key] for p in pts],
+                           arrayminus=[p[key] - p["tokens_per_second_min"] for p in pts])
             fig.add_trace(go.Scatter(
-                x=[p["threshold"] for p in pts], y=[p[key] for p in pts], mode="lines+markers",
+                x=[p["threshold"] for p in pts], y=[p[key] for p in pts], mode="lines+markers", error_y=err,
                 name=f"block {bs}", legendgroup=str(bs), showlegend=col == 1, line=dict(color=colour),
-                customdata=[[p["nfe"], p["answer_tokens"]] for p in pts],
-                hovertemplate=("threshold %{x}<br>%{y:.2f}<br>NFE %{customdata[0]} · "
-                               "%{customdata[1]} tokens<extra>block " + str(bs) + "</extra>")), row=1, col=col)
+                customdata=[[p["nfe"], p["answer_tokens"], p["runs"]] for p in pts],
+                hovertemplate=("threshold %{x}<br>%{y:.2f}<br>NFE %{customdata[0]} · %{customdata[1]} tokens · "
+                               "%{customdata[2]} run(s)<extra>block " + str(bs) + "</extra>")), row=1, col=col)
     fig = _layout(fig, "", 380)
-    fig.update_xaxes(title="threshold")
+    fig.update_xaxes(title="threshold", range=[min(r["threshold"] for r in rows) - 0.05, 1.05])
+    fig.update_yaxes(rangemode="tozero")
     return fig

@@ -9,12 +9,19 @@ import functools
 import html
 import json
 import re
+import statistics
 from dataclasses import asdict
+from pathlib import Path
 from typing import Any
 
 from markdown_it import MarkdownIt
 
 from engine import Event, Summary
+
+from .card import PAPER_URL, Measured
+
+STOPPED = "cancelled"  # the engine's stop_reason when Stop ended a decode
+EXPLAIN = Path(__file__).resolve().parent.parent / "static" / "explain.html"
 
 _FENCE = re.compile(r"(```.*?(?:```|$)|`[^`\n]*`)", re.S)
 _MD = MarkdownIt("commonmark")  # raw HTML on, as in the chatbot's markdown renderer
@@ -44,26 +51,77 @@ def escape_chat(text: str) -> str:
     return esc(text) if _raw_html(out) else out
 
 
-def chat_display(convo: list[dict[str, str]]) -> list[dict[str, str]]:
-    """The chatbot's messages: the raw conversation with HTML escaped for display."""
-    return [{"role": m["role"], "content": escape_chat(m["content"]) if m["content"] else "*(empty answer)*"}
-            for m in convo if m["role"] != "system"]
+def chat_display(convo: list[dict[str, Any]]) -> list[dict[str, str]]:
+    """The chatbot's messages: the raw conversation with HTML escaped for display; a stopped answer says so."""
+    out = []
+    for m in convo:
+        if m["role"] == "system":
+            continue
+        text = escape_chat(m["content"]) if m["content"] else "*(empty answer)*"
+        if m.get("stopped"):
+            text += "\n\n*(stopped: Stop cut the answer off here)*"
+        out.append({"role": m["role"], "content": text})
+    return out
 
 
-def banner_html(lm: Any, can_diffuse: bool, title: str = "") -> str:
-    """Which model, why it was chosen, where it runs."""
+def _pct(x: float) -> str:
+    return f"{100 * x:.0f}%"
+
+
+def banner_html(lm: Any, can_diffuse: bool, title: str = "", measured: Measured | None = None,
+                threshold: float = 0.9) -> str:
+    """Which model, why it was chosen, where it runs, and how good it measured (from its model card)."""
     adapter = " + Fast-dLLM v2 adapter" if lm.source.adapter else ""
     dtype = str(lm.dtype).replace("torch.", "")
     parts = [f'<span class="fd-title">{esc(title)}</span>'] if title else []
     parts += [f'<span class="fd-model">{esc(lm.name + adapter)}</span>',
-             f'<span class="fd-chip" title="why this model was chosen">{esc(lm.source.reason)}</span>',
-             f'<span class="fd-chip">{esc(lm.device.type)}</span>', f'<span class="fd-chip">{esc(dtype)}</span>']
+              f'<span class="fd-chip" title="why this model was chosen">{esc(lm.source.reason)}</span>',
+              f'<span class="fd-chip">{esc(lm.device.type)}</span>', f'<span class="fd-chip">{esc(dtype)}</span>',
+              f'<a class="fd-chip fd-link" href="{PAPER_URL}" target="_blank" rel="noopener">'
+              'paper: arXiv 2509.26328</a>']
     note = ""
     if not can_diffuse:
         note = ('<div class="fd-note">This model has no <code>|&lt;MASK&gt;|</code> token: block diffusion needs the '
                 'Fast-dLLM v2 adapter (<code>assets/fastdllm_adapter.safetensors</code>) or a Fast-dLLM v2 '
                 'checkpoint. Chat runs in AR mode.</div>')
-    return f'<div class="fd-banner">{" ".join(parts)}{note}</div>'
+    elif measured is not None and measured.at(threshold):
+        acc, tpf = measured.at(threshold)
+        trained = ""
+        if measured.train_minutes is not None and measured.tokens_seen is not None:
+            trained = (f" (trained {measured.train_minutes:.0f} min on {measured.tokens_seen / 1000:.0f}k tokens; "
+                       "the paper used ~1B)")
+        note = (f'<div class="fd-honest" id="fd-honest"><b>Honest numbers:</b> this small demo model{trained} '
+                f'decodes <b>{tpf:.2f} tokens per forward</b> and keeps <b>{_pct(acc / measured.ar_accuracy)} of its '
+                f'AR base\'s accuracy</b> at threshold {threshold:g} ({acc:.3f} vs {measured.ar_accuracy:.3f} on '
+                f'{esc(measured.set.split(" (")[0])}; model card). It shows the mechanics, not the paper\'s '
+                'speed-ups: at ~1 token per forward, diffusion is slower than AR here.</div>')
+    elif lm.source.adapter:
+        note = ('<div class="fd-honest" id="fd-honest">This adapter has no measurements in '
+                '<code>assets/MODEL_CARD.md</code>: run <code>python -m bench quality</code> to measure it.</div>')
+    return f'<div class="fd-banner"><div class="fd-banner-row">{" ".join(parts)}</div>{note}</div>'
+
+
+def explain_html() -> str:
+    """The 30-second explanation of block diffusion (a trusted static fragment)."""
+    return EXPLAIN.read_text(encoding="utf-8")
+
+
+def presets_html(presets: list[dict[str, Any]], measured: Measured | None, strategy: str, threshold: float) -> str:
+    """One line on what the current threshold is expected to do: the matching preset's effect (else the custom
+    value), with the bundled adapter's measured tokens/forward and accuracy at that threshold when known."""
+    active = next((p for p in presets if p["settings"].get("strategy", "threshold") == strategy
+                   and abs(float(p["settings"].get("threshold", -1)) - threshold) < 1e-9), None)
+    if active is not None:
+        head = f'<b>{esc(active["label"])}</b> {esc(active["effect"])}'
+    elif strategy == "factor":
+        head = "<b>Factor strategy</b> commits the largest n tokens with (n+1)(1-c<sub>n</sub>) &lt; factor."
+    else:
+        head = f"<b>Custom threshold {threshold:g}</b>: lower commits more tokens per forward, higher is more careful."
+    m = measured.at(threshold) if measured is not None and strategy == "threshold" else None
+    num = (f' <span class="fd-preset-num">Measured on this model: {m[1]:.2f} tokens/forward, '
+           f'{_pct(m[0] / measured.ar_accuracy)} of AR accuracy.</span>') if m else ""
+    data = f' data-preset="{esc(active["id"])}"' if active is not None else ""
+    return f'<div class="fd-presets"{data}>{head}{num}</div>'
 
 
 def _as_dict(s: Summary | dict[str, Any]) -> dict[str, Any]:
@@ -78,20 +136,31 @@ def _duration(seconds: float) -> str:
     return f"{seconds * 1000:.0f} ms" if seconds < 1 else f"{seconds:.2f} s"
 
 
-def meter_cards(s: Summary | dict[str, Any], title: str = "") -> str:
-    """Engine-time meters of one run (never UI time)."""
+def spread(values: list[float]) -> tuple[float, float, float]:
+    """(median, min, max) of repeated measurements."""
+    return statistics.median(values), min(values), max(values)
+
+
+def meter_cards(s: Summary | dict[str, Any], title: str = "", tps_runs: list[float] | None = None) -> str:
+    """Engine-time meters of one run (never UI time); with repeats, tokens/s is the median and its range."""
     d = _as_dict(s)
-    cards = [("tokens/s", _fmt(float(d["tokens_per_second"]), 1), "answer tokens per second of engine time"),
+    tps, tps_tip = _fmt(float(d["tokens_per_second"]), 1), "answer tokens per second of engine time"
+    if tps_runs and len(tps_runs) > 1:
+        med, lo, hi = spread(tps_runs)
+        tps = f'{_fmt(med, 1)}<span class="fd-card-range">{_fmt(lo, 1)}–{_fmt(hi, 1)}</span>'
+        tps_tip = f"median of {len(tps_runs)} runs, and their range (engine time)"
+    stopped = d["stop_reason"] == STOPPED
+    cards = [("tokens/s", tps, tps_tip),
              ("NFE", str(int(d["nfe"])), "forwards (network function evaluations), prefill and commits included"),
              ("tokens/forward", _fmt(float(d["tokens_per_forward"])), "answer tokens per forward: 1.0 for AR"),
              ("TTFT", _duration(float(d["ttft"])), "engine time to the first committed token"),
              ("tokens", str(int(d["answer_tokens"])), "answer tokens, through the stop token"),
              ("time", _duration(float(d["seconds"])), "engine seconds (tokenisation and UI excluded)"),
-             ("stop", esc(str(d["stop_reason"]).replace("_", " ")), "why decoding ended")]
+             ("stop", "stopped" if stopped else esc(str(d["stop_reason"]).replace("_", " ")), "why decoding ended")]
     body = "".join(f'<div class="fd-card" data-k="{esc(k)}" title="{esc(tip)}"><div class="fd-card-v">{v}</div>'
                    f'<div class="fd-card-k">{esc(k)}</div></div>' for k, v, tip in cards)
     head = f'<div class="fd-meter-title">{esc(title)}</div>' if title else ""
-    return f'<div class="fd-meter">{head}<div class="fd-cards">{body}</div></div>'
+    return f'<div class="fd-meter{" fd-stopped" if stopped else ""}">{head}<div class="fd-cards">{body}</div></div>'
 
 
 def meters_html(summary: Summary | dict[str, Any] | None, title: str = "", ar: Summary | dict[str, Any] | None = None,
@@ -103,24 +172,45 @@ def meters_html(summary: Summary | dict[str, Any] | None, title: str = "", ar: S
     if ar is not None:
         ratio = float(_as_dict(summary)["tokens_per_second"]) / max(float(_as_dict(ar)["tokens_per_second"]), 1e-9)
         out += meter_cards(ar, "AR baseline (same prompt)")
-        out += f'<div class="fd-ratio">diffusion / AR speed: <b>{ratio:.2f}×</b> tokens/s (engine time)</div>'
+        out += (f'<div class="fd-ratio">diffusion / AR speed: <b>{ratio:.2f}×</b> tokens/s (engine time, one run '
+                f'each) · {forwards_phrase(int(_as_dict(summary)["nfe"]), int(_as_dict(ar)["nfe"]))}</div>')
     if note:
         out += f'<div class="fd-meter-note">{esc(note)}</div>'
     return out
 
 
-def race_html(diff: Summary | None, ar: Summary | None, status: str) -> str:
-    """Both meters and the speed ratio of a race."""
+def forwards_phrase(diff_nfe: int, ar_nfe: int) -> str:
+    """Diffusion's forwards against AR's, worded the right way round."""
+    if diff_nfe == ar_nfe:
+        return f"the same number of forwards ({diff_nfe})"
+    more = diff_nfe > ar_nfe
+    ratio = diff_nfe / max(ar_nfe, 1) if more else ar_nfe / max(diff_nfe, 1)
+    return (f"<b>{ratio:.2f}×</b> {'more' if more else 'fewer'} forwards than AR "
+            f"({diff_nfe} vs {ar_nfe})")
+
+
+def _median_run(runs: list[Summary]) -> Summary:
+    """The run whose tokens/s is the median (lower middle for an even count): its cards are one real run."""
+    return sorted(runs, key=lambda r: r.tokens_per_second)[(len(runs) - 1) // 2]
+
+
+def race_html(diffs: list[Summary], ars: list[Summary], status: str) -> str:
+    """Both meters (median run of the repeats, tokens/s range) and the speed ratio of a race."""
     out = [f'<div class="fd-race-status">{esc(status)}</div>']
-    if diff is not None:
-        out.append(meter_cards(diff, "Fast-dLLM v2 (block diffusion)"))
-    if ar is not None:
-        out.append(meter_cards(ar, "AR baseline"))
-    if diff is not None and ar is not None:
-        ratio = diff.tokens_per_second / max(ar.tokens_per_second, 1e-9)
-        nfe = ar.nfe / max(diff.nfe, 1)
-        out.append(f'<div class="fd-ratio">speed-up: <b>{ratio:.2f}×</b> tokens/s · <b>{nfe:.2f}×</b> fewer '
-                   f'forwards (engine time, same prompt and max tokens)</div>')
+    if diffs:
+        out.append(meter_cards(_median_run(diffs), f"Fast-dLLM v2 (block diffusion) · {len(diffs)} run(s)",
+                               [r.tokens_per_second for r in diffs]))
+    if ars:
+        out.append(meter_cards(_median_run(ars), f"AR baseline · {len(ars)} run(s)",
+                               [r.tokens_per_second for r in ars]))
+    n = min(len(diffs), len(ars))
+    if n:
+        ratios = [d.tokens_per_second / max(a.tokens_per_second, 1e-9) for d, a in zip(diffs, ars)]
+        med, lo, hi = spread(ratios)
+        rng = f" (range {lo:.2f}–{hi:.2f}× over {n} interleaved pairs)" if n > 1 else " (one run each)"
+        d, a = _median_run(diffs[:n]), _median_run(ars[:n])
+        out.append(f'<div class="fd-ratio">diffusion / AR speed: <b>{med:.2f}×</b> tokens/s{rng} · '
+                   f'{forwards_phrase(d.nfe, a.nfe)} · engine time, same prompt and max tokens</div>')
     return "".join(out)
 
 

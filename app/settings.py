@@ -1,12 +1,18 @@
 """Studio settings: the controls' choices and one-line explanations, and their mapping to DecodeConfig."""
 from __future__ import annotations
 
+import json
 from dataclasses import fields
+from pathlib import Path
 from typing import Any
 
 from engine import ConfigError, DecodeConfig
 
+# The rule set the UI's controls offer and every entry point (UI, API) enforces: to_config checks both.
 BLOCK_SIZES = (8, 16, 32, 64)
+MAX_NEW_TOKENS = 1024
+MAX_REPEATS = 5  # race and sweep: runs per point, for a median and a spread
+PRESETS: list[dict[str, Any]] = json.loads((Path(__file__).with_name("presets.json")).read_text("utf-8"))["presets"]
 DEFAULT_SYSTEM = "You are a helpful assistant."
 SWEEP_THRESHOLDS = (0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0)
 
@@ -14,8 +20,8 @@ SWEEP_THRESHOLDS = (0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0)
 INFO = {
     "mode": "diffusion = Fast-dLLM v2 block diffusion (base + adapter); "
             "ar = the same base weights, one token per forward.",
-    "block_size": "Tokens per block. Attention is causal across blocks and bidirectional inside one; "
-                  "the model was trained with 32.",
+    "block_size": f"Tokens per block ({', '.join(map(str, BLOCK_SIZES))}). Attention is causal across blocks "
+                  "and bidirectional inside one; the model was trained with 32.",
     "sub_block_size": "Tokens decoded in parallel inside a block, left to right; "
                       "only divisors of the block size are offered.",
     "threshold": "Commit every masked token whose confidence exceeds this (always at least the best one). "
@@ -24,7 +30,8 @@ INFO = {
     "factor": "Factor strategy only: larger commits more tokens per forward (faster, riskier).",
     "cache": "none: recompute the prefix every step; block: cache finished blocks; "
              "dual: also reuse the active block's K/V.",
-    "max_new_tokens": "Upper bound on answer tokens (the stop token usually ends the answer earlier).",
+    "max_new_tokens": f"Upper bound on answer tokens, 1 to {MAX_NEW_TOKENS} (the stop token usually ends the answer "
+                      "earlier).",
     "temperature": "0 = greedy (deterministic). Higher values sample more freely.",
     "top_p": "Nucleus sampling: keep the smallest set of tokens whose probability sums to top-p "
              "(used when temperature > 0).",
@@ -80,6 +87,7 @@ def to_config(engine: Any, settings: dict[str, Any] | None, **overrides: Any) ->
     for k in ("block_size", "sub_block_size", "max_new_tokens", "seed"):
         if k in s:
             s[k] = _int_like(s[k])
+    check_limits(s)
     if "seed" in s and (s["seed"] is None or s["seed"] == "" or s["seed"] == -1):
         s["seed"] = None  # -1 or empty: a fresh random seed
     cfg = engine.decode_config(**s)
@@ -87,6 +95,22 @@ def to_config(engine: Any, settings: dict[str, Any] | None, **overrides: Any) ->
         raise ConfigError("mode", "this model has no |<MASK>| token (no Fast-dLLM v2 adapter loaded), so it can "
                                   "only decode with mode 'ar'")
     return cfg, (system or "")
+
+
+def check_limits(s: dict[str, Any]) -> None:
+    """The studio's own limits on top of DecodeConfig's rules: the block sizes and token budget the UI offers."""
+    if "block_size" in s and s["block_size"] not in BLOCK_SIZES:
+        raise ConfigError("block_size", f"must be one of {', '.join(map(str, BLOCK_SIZES))} (got {s['block_size']!r})")
+    n = s.get("max_new_tokens", 1)
+    if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= MAX_NEW_TOKENS:
+        raise ConfigError("max_new_tokens", f"must be an integer in [1, {MAX_NEW_TOKENS}] (got {n!r})")
+
+
+def check_repeats(repeats: Any) -> int:
+    repeats = _int_like(repeats)
+    if not isinstance(repeats, int) or isinstance(repeats, bool) or not 1 <= repeats <= MAX_REPEATS:
+        raise ConfigError("repeats", f"must be an integer in [1, {MAX_REPEATS}] (got {repeats!r})")
+    return repeats
 
 
 def settings_from_widgets(*values: Any) -> dict[str, Any]:

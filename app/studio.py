@@ -1,6 +1,7 @@
 """What the studio does, without Gradio: build prompts, decode, race, sweep. The UI and the API share it."""
 from __future__ import annotations
 
+import statistics
 from collections.abc import Iterator
 from contextlib import closing
 from dataclasses import asdict, dataclass, replace
@@ -8,7 +9,7 @@ from typing import Any
 
 from engine import ConfigError, DecodeConfig, Engine, Event, Result
 
-from .settings import BLOCK_SIZES, fit_sub_block, to_config
+from .settings import BLOCK_SIZES, check_repeats, fit_sub_block, to_config
 from .stream import decode_stream, set_engine
 
 MAX_MESSAGE_CHARS = 20_000
@@ -141,24 +142,32 @@ class Studio:
         diff = self.prepare(message, None, settings, mode="diffusion")
         return diff, Prepared(diff.ids, replace(diff.cfg, mode="ar"), diff.messages, diff.user)
 
-    def race(self, message: str, settings: dict | None = None) -> Iterator[dict[str, Any]]:
-        """The same prompt by block diffusion, then by the AR baseline (one engine: sequential).
+    def race(self, message: str, settings: dict | None = None, repeats: int = 1) -> Iterator[dict[str, Any]]:
+        """The same prompt by block diffusion and by the AR baseline, `repeats` times, interleaved (diffusion, AR,
+        diffusion, AR, ...) so slow drifts of a shared machine hit both alike. One engine: sequential.
 
-        Yields {running: mode, text: answer so far} once per frame, last both summaries and the speed-up.
+        Yields {running: mode, run: n, text: answer so far} once per frame, last the median runs' summaries,
+        every run's summary and the speed-up (median of the pairs' ratios, and its range).
         """
-        results = []
-        for prep in self.race_preps(message, settings):
-            with closing(self.steps(prep)) as steps:
-                for x in steps:
-                    if isinstance(x, str):
-                        yield {"running": prep.cfg.mode, "text": x}
-                    else:
-                        results.append(x)
-        diff, ar = results
-        yield {"order": "sequential: diffusion first, then AR (one engine, one lock)",
-               "diffusion": summary_dict(diff), "ar": summary_dict(ar),
-               "speedup": diff.summary.tokens_per_second / max(ar.summary.tokens_per_second, 1e-9),
-               "nfe_ratio": ar.summary.nfe / max(diff.summary.nfe, 1)}
+        repeats = check_repeats(repeats)
+        preps = self.race_preps(message, settings)
+        runs: dict[str, list[Result]] = {"diffusion": [], "ar": []}
+        for n in range(repeats):
+            for prep in preps:
+                with closing(self.steps(prep)) as steps:
+                    for x in steps:
+                        if isinstance(x, str):
+                            yield {"running": prep.cfg.mode, "run": n + 1, "text": x}
+                        else:
+                            runs[prep.cfg.mode].append(x)
+        diffs, ars = ([r.summary for r in runs[m]] for m in ("diffusion", "ar"))
+        ratios = [d.tokens_per_second / max(a.tokens_per_second, 1e-9) for d, a in zip(diffs, ars)]
+        diff, ar = (sorted(xs, key=lambda r: r.tokens_per_second)[(len(xs) - 1) // 2] for xs in (diffs, ars))
+        yield {"order": "interleaved: diffusion, AR, diffusion, AR, ... (one engine, one lock)", "repeats": repeats,
+               "diffusion": summary_dict(Result(diff, None)), "ar": summary_dict(Result(ar, None)),
+               "runs": {m: [summary_dict(r) for r in runs[m]] for m in runs},
+               "speedup": statistics.median(ratios), "speedup_range": [min(ratios), max(ratios)],
+               "nfe_ratio": ar.nfe / max(diff.nfe, 1)}
 
     def sweep_plan(self, message: str, thresholds: Any, block_sizes: Any, settings: dict | None) -> list[Prepared]:
         if not self.engine.can_diffuse:
@@ -183,25 +192,34 @@ class Studio:
         return plan
 
     @staticmethod
-    def sweep_row(prep: Prepared, res: Result) -> dict[str, Any]:
-        s = res.summary
+    def sweep_row(prep: Prepared, results: list[Result]) -> dict[str, Any]:
+        """One sweep point: the median of its repeated runs, and the range of tokens/s."""
+        ss = [r.summary for r in results]
+        med = lambda k: statistics.median(getattr(x, k) for x in ss)  # noqa: E731
+        tps = [x.tokens_per_second for x in ss]
         return {"threshold": prep.cfg.threshold, "block_size": prep.cfg.block_size,
-                "sub_block_size": prep.cfg.sub_block_size, "tokens_per_second": round(s.tokens_per_second, 3),
-                "tokens_per_forward": round(s.tokens_per_forward, 3), "nfe": s.nfe, "answer_tokens": s.answer_tokens,
-                "seconds": round(s.seconds, 4), "stop_reason": s.stop_reason}
+                "sub_block_size": prep.cfg.sub_block_size, "runs": len(ss),
+                "tokens_per_second": round(med("tokens_per_second"), 3), "tokens_per_second_min": round(min(tps), 3),
+                "tokens_per_second_max": round(max(tps), 3), "tokens_per_forward": round(med("tokens_per_forward"), 3),
+                "nfe": round(med("nfe"), 1), "answer_tokens": round(med("answer_tokens"), 1),
+                "seconds": round(med("seconds"), 4), "stop_reason": ss[-1].stop_reason}
 
     def sweep(self, message: str, thresholds: list | None = None, block_sizes: list | None = None,
-              settings: dict | None = None) -> Iterator[list[dict[str, Any]]]:
-        """One prompt across thresholds × block sizes: tokens/s and tokens/forward of each run.
+              settings: dict | None = None, repeats: int = 1) -> Iterator[list[dict[str, Any]]]:
+        """One prompt across thresholds × block sizes, each point run `repeats` times (median and range).
 
-        Yields the rows so far once per frame, last every run's row.
+        Yields the rows so far once per frame, last every point's row.
         """
+        repeats = check_repeats(repeats)
         rows: list[dict[str, Any]] = []
         for p in self.sweep_plan(message, thresholds, block_sizes, settings):
-            with closing(self.steps(p)) as steps:
-                for x in steps:
-                    if isinstance(x, str):
-                        yield list(rows)
-                    else:
-                        rows.append(self.sweep_row(p, x))
+            results: list[Result] = []
+            for _ in range(repeats):
+                with closing(self.steps(p)) as steps:
+                    for x in steps:
+                        if isinstance(x, str):
+                            yield list(rows)
+                        else:
+                            results.append(x)
+            rows.append(self.sweep_row(p, results))
         yield rows

@@ -144,14 +144,36 @@ def parse_trace(data: bytes | str) -> Trace:
     return trace
 
 
+# how each setting is named in replay labels; the diffusion-only ones are left out of AR runs' labels
+LABEL_NAMES = {"block_size": "block", "sub_block_size": "sub-block", "threshold": "threshold", "strategy": "strategy",
+               "factor": "factor", "cache": "cache", "max_new_tokens": "max tokens", "temperature": "temperature",
+               "top_p": "top-p", "seed": "seed"}
+DIFFUSION_ONLY = ("block_size", "sub_block_size", "threshold", "strategy", "factor", "cache")
+
+
+def settings_label(cfg: dict[str, Any]) -> str:
+    """Mode, block/sub-block and threshold, then every other setting that differs from the engine's default
+    (so two runs that differ only in, say, cache are told apart)."""
+    mode = cfg.get("mode", "?")
+    base = DecodeConfig().to_dict()
+    keys = [k for k in LABEL_NAMES if cfg.get(k) != base.get(k) or k in ("block_size", "threshold")]
+    if mode != "diffusion":
+        keys = [k for k in keys if k not in DIFFUSION_ONLY]
+    elif cfg.get("strategy") == "factor":
+        keys = [k for k in keys if k != "threshold"]
+    else:
+        keys = [k for k in keys if k != "factor"]
+    parts = [f"{LABEL_NAMES[k]} {cfg.get(k)}" for k in keys]
+    if "block_size" in keys:  # "block 32/8" reads better than two items
+        parts = [f"block {cfg.get('block_size')}/{cfg.get('sub_block_size')}"] + \
+                [x for k, x in zip(keys, parts) if k not in ("block_size", "sub_block_size")]
+    return " · ".join([mode, *parts])
+
+
 def trace_label(trace: Trace, index: int, tag: str = "") -> str:
-    """A short name for the replay list."""
-    cfg = trace.header.get("config", {})
+    """A short name for the replay list: number, origin, settings, speed, prompt."""
     prompt = (trace.header.get("prompt") or "").strip().replace("\n", " ")
     prompt = prompt[:40] + ("…" if len(prompt) > 40 else "")
-    mode = cfg.get("mode", "?")
-    extra = ""
-    if mode == "diffusion":
-        extra = f" b{cfg.get('block_size')}/{cfg.get('sub_block_size')} t{cfg.get('threshold')}"
     tps = f" · {trace.summary.tokens_per_second:.1f} tok/s" if trace.summary else ""
-    return f"#{index} {tag}{mode}{extra}{tps} · {prompt}"
+    stopped = " · stopped" if trace.summary and trace.summary.stop_reason == "cancelled" else ""
+    return f"#{index} {tag}{settings_label(trace.header.get('config', {}))}{tps}{stopped} · {prompt}"

@@ -1,7 +1,6 @@
 """The Gradio Blocks studio: chat + live denoising view, replay, heatmap, race, sweep, and the named API."""
 from __future__ import annotations
 
-import functools
 import json
 import os
 import tempfile
@@ -16,17 +15,20 @@ import gradio as gr
 
 from engine import ConfigError, Event, Result, Trace
 
-from . import plots, render
-from .settings import BLOCK_SIZES, INFO, SETTING_KEYS, SWEEP_THRESHOLDS, defaults, divisors, fit_sub_block, \
-    settings_from_widgets
+from . import api, plots, render
+from .api import ENGINE, error
+from .card import measured_for
+from .settings import BLOCK_SIZES, INFO, MAX_NEW_TOKENS, MAX_REPEATS, PRESETS, SETTING_KEYS, SWEEP_THRESHOLDS, \
+    check_repeats, defaults, divisors, fit_sub_block, settings_from_widgets
 from .stream import cancel_event, release, request_stop
-from .studio import Prepared, Studio, summary_dict
+from .studio import Prepared, Studio
 from .traces import MAX_TRACE_BYTES, TraceError, parse_trace, trace_label
 
 STATIC = Path(__file__).resolve().parent.parent / "static"
 MAX_SESSION_TRACES = 24
 QUEUE_SIZE = 16  # requests waiting for the engine (FASTDLLM_QUEUE_SIZE); one more is refused at once
-ENGINE = dict(concurrency_id="engine", concurrency_limit=1)
+SWEEP_COLUMNS = ("threshold", "block_size", "sub_block_size", "runs", "tokens_per_second", "tokens_per_second_min",
+                 "tokens_per_second_max", "tokens_per_forward", "nfe", "answer_tokens", "seconds", "stop_reason")
 EXAMPLES = ["What is the capital of France?", "Write a haiku about the sea.",
             "List three uses for a paperclip.", "Explain in two sentences why the sky is blue."]
 
@@ -95,10 +97,6 @@ def live_events(req: dict) -> list[dict]:
         return []
 
 
-def _error(e: Exception) -> gr.Error:
-    return gr.Error(str(e), title="Invalid setting" if isinstance(e, ConfigError) else "Error", print_exception=False)
-
-
 def _save(trace_json: str) -> str:
     """The trace as a file for the download button."""
     f = tempfile.NamedTemporaryFile("w", suffix=".json", prefix="fastdllm-trace-", delete=False, encoding="utf-8")
@@ -139,34 +137,70 @@ def build(studio: Studio) -> gr.Blocks:
     eng = studio.engine
     lm = eng.lm
     d = defaults(eng.can_diffuse, studio.default_block_size)
+    measured = measured_for(lm.source.adapter) if eng.can_diffuse else None
 
     with gr.Blocks(title="Fast-dLLM v2 studio", fill_width=True) as demo:
-        gr.HTML(render.banner_html(lm, eng.can_diffuse, title="Fast-dLLM v2 studio"), js_on_load=None)
+        gr.HTML(render.banner_html(lm, eng.can_diffuse, "Fast-dLLM v2 studio", measured, d["threshold"]),
+                js_on_load=None, elem_id="fd-banner")
+        with gr.Accordion("How block diffusion decodes, in 30 seconds", open=True, elem_id="fd-explain-acc"):
+            gr.HTML(render.explain_html(), js_on_load=None)
         convo = gr.State([])
         traces = gr.State([])
-        sid = gr.State(lambda: uuid.uuid4().hex)  # this browser session's key: Stop finds its run by it
 
-        with gr.Row(equal_height=False):
-            with gr.Column(scale=4, min_width=360):
-                chatbot = gr.Chatbot(label="Chat", height=470, elem_id="fd-chat", buttons=["copy"],
-                                     feedback_options=None, placeholder="Ask something: the answer is decoded "
-                                     "block by block, several tokens per forward.")
-                with gr.Row():
-                    msg = gr.Textbox(placeholder="Message (Enter sends)", show_label=False, scale=6, lines=1,
-                                     max_lines=6, elem_id="fd-msg", autofocus=True)
-                    send = gr.Button("Send", variant="primary", scale=1, min_width=70, elem_id="fd-send")
-                    stop = gr.Button("Stop", variant="stop", scale=1, min_width=70, interactive=False,
+        with gr.Row(equal_height=False, elem_id="fd-main"):
+            with gr.Column(scale=4, min_width=340, elem_id="fd-chat-col"):
+                chatbot = gr.Chatbot(label="Chat", height=380, elem_id="fd-chat", buttons=["copy"],
+                                     feedback_options=None, examples=[{"text": e} for e in EXAMPLES],
+                                     placeholder="Ask something, or pick an example: the answer is decoded block "
+                                                 "by block, several tokens per forward when the model is confident.")
+                with gr.Row(elem_id="fd-compose"):
+                    msg = gr.Textbox(placeholder="Message (Enter sends)", show_label=False,
+                                     scale=8, lines=1, max_lines=6, elem_id="fd-msg", autofocus=True, container=False)
+                    send = gr.Button("Send", variant="primary", scale=1, min_width=64, elem_id="fd-send")
+                    stop = gr.Button("Stop", variant="stop", scale=1, min_width=64, interactive=False,
                                      elem_id="fd-stop")
-                with gr.Row():
-                    clear = gr.Button("Clear", size="sm", scale=0, min_width=80)
-                gr.Examples(examples=[[e] for e in EXAMPLES], inputs=[msg], label="Examples")
-            with gr.Column(scale=6, min_width=480):
+                with gr.Row(elem_id="fd-preset-row"):
+                    preset_btns = [gr.Button(p["label"], size="sm", scale=1, min_width=90,
+                                             elem_id=f"fd-preset-{p['id']}", elem_classes=["fd-preset-btn"],
+                                             interactive=eng.can_diffuse) for p in PRESETS]
+                    clear = gr.Button("Clear chat", size="sm", scale=0, min_width=90, elem_id="fd-clear")
+                presets_info = gr.HTML(render.presets_html(PRESETS, measured, d["strategy"], d["threshold"]),
+                                       js_on_load=None, elem_id="fd-presets", visible=eng.can_diffuse)
+                with gr.Accordion("Decoding settings", open=False, elem_id="fd-settings"):
+                    with gr.Row():
+                        mode = gr.Radio(["diffusion", "ar"] if eng.can_diffuse else ["ar"], value=d["mode"],
+                                        label="mode", info=INFO["mode"])
+                        cache = gr.Radio(["none", "block", "dual"], value=d["cache"], label="cache",
+                                         info=INFO["cache"])
+                    with gr.Row():
+                        block = gr.Dropdown(list(BLOCK_SIZES), value=d["block_size"], label="block size",
+                                            info=INFO["block_size"])
+                        sub = gr.Dropdown(divisors(d["block_size"]), value=d["sub_block_size"], label="sub-block size",
+                                          info=INFO["sub_block_size"])
+                    with gr.Row():
+                        strategy = gr.Radio(["threshold", "factor"], value=d["strategy"], label="strategy",
+                                            info=INFO["strategy"])
+                        threshold = gr.Slider(0.05, 1.0, value=d["threshold"], step=0.01, label="threshold",
+                                              info=INFO["threshold"], elem_id="fd-threshold")
+                        factor = gr.Slider(0.1, 10.0, value=d["factor"], step=0.1, label="factor",
+                                           info=INFO["factor"], visible=False)
+                    with gr.Row():
+                        max_new = gr.Slider(8, MAX_NEW_TOKENS, value=d["max_new_tokens"], step=8,
+                                            label="max new tokens", info=INFO["max_new_tokens"], elem_id="fd-max-new")
+                        temperature = gr.Slider(0.0, 2.0, value=d["temperature"], step=0.05, label="temperature",
+                                                info=INFO["temperature"])
+                    with gr.Row():
+                        top_p = gr.Slider(0.05, 1.0, value=d["top_p"], step=0.01, label="top-p", info=INFO["top_p"])
+                        seed = gr.Number(value=d["seed"], precision=0, minimum=-1, label="seed", info=INFO["seed"])
+                    system = gr.Textbox(value=d["system_prompt"], label="system prompt", info=INFO["system_prompt"],
+                                        lines=1)
+            with gr.Column(scale=6, min_width=340, elem_id="fd-live-col"):
                 live = gr.HTML(render.live_clear(), html_template=LIVE_TEMPLATE, elem_id="fd-live",
                                js_on_load=_live_js("Send a message to watch the blocks denoise."),
                                server_functions=[live_events], container=True, padding=True)
                 meters = gr.HTML(render.meters_html(None), js_on_load=None, elem_id="fd-meters")
 
-        with gr.Tabs():
+        with gr.Tabs(elem_id="fd-tabs"):
             with gr.Tab("Replay", id="replay", elem_id="fd-tab-replay"):
                 with gr.Row():
                     replay_pick = gr.Dropdown(choices=[], label="Answers of this session", scale=4,
@@ -177,80 +211,74 @@ def build(studio: Studio) -> gr.Blocks:
                 replay_meta = gr.HTML("", js_on_load=None, elem_id="fd-replay-meta")
                 player = gr.HTML("", html_template=PLAYER_TEMPLATE, js_on_load=PLAYER_JS, elem_id="fd-player",
                                  container=True, padding=True)
-            with gr.Tab("Heatmap", id="heatmap"):
+            with gr.Tab("Heatmap", id="heatmap", elem_id="fd-tab-heatmap"):
                 gr.Markdown("Confidence of each answer position's best candidate at every forward while it was "
                             "masked; squares mark the forward that committed it. Follows the trace picked in Replay.")
                 heatmap = gr.Plot(plots.heatmap_figure(None), show_label=False, elem_id="fd-heatmap")
-            with gr.Tab("Race", id="race"):
+            with gr.Tab("Race", id="race", elem_id="fd-tab-race"):
                 gr.Markdown("One prompt decoded by **Fast-dLLM v2 block diffusion** and by the **AR baseline** (same "
-                            "base weights, no adapter). The engine runs one generation at a time, so the two run "
-                            "**sequentially: diffusion first, then AR**; both are timed on engine time only.")
+                            "base weights, no adapter). The engine runs one generation at a time, so the runs "
+                            "**alternate: diffusion, AR, diffusion, AR, …**; the meters show the median run, the "
+                            "tokens/s range over the repeats, all on engine time.")
                 with gr.Row():
-                    race_msg = gr.Textbox(value=EXAMPLES[1], show_label=False, scale=6, placeholder="Prompt to race")
-                    race_btn = gr.Button("Race", variant="primary", scale=1, interactive=eng.can_diffuse)
-                    race_stop = gr.Button("Stop", variant="stop", scale=1)
-                race_meters = gr.HTML(render.race_html(None, None, "Press Race: diffusion runs first, then AR." if
+                    race_msg = gr.Textbox(value=EXAMPLES[1], show_label=False, scale=6, placeholder="Prompt to race",
+                                          elem_id="fd-race-msg")
+                    race_reps = gr.Slider(1, MAX_REPEATS, value=3, step=1, label="runs each", scale=2,
+                                          elem_id="fd-race-reps")
+                    race_btn = gr.Button("Race", variant="primary", scale=1, interactive=eng.can_diffuse,
+                                         elem_id="fd-race")
+                    race_stop = gr.Button("Stop", variant="stop", scale=1, elem_id="fd-race-stop")
+                race_meters = gr.HTML(render.race_html([], [], "Press Race: diffusion and AR alternate." if
                                                        eng.can_diffuse else "Race needs the Fast-dLLM v2 adapter."),
-                                      js_on_load=None)
+                                      js_on_load=None, elem_id="fd-race-meters")
                 with gr.Row(equal_height=False):
                     with gr.Column():
-                        gr.Markdown("**Fast-dLLM v2** (block diffusion) · runs first")
+                        gr.Markdown("**Fast-dLLM v2** (block diffusion)")
                         race_d = gr.HTML(render.live_clear(), html_template=LIVE_TEMPLATE, js_on_load=_live_js(
                             "Diffusion decoding appears here."), server_functions=[live_events], container=True,
-                            padding=True)
+                            padding=True, elem_id="fd-race-d")
                     with gr.Column():
-                        gr.Markdown("**AR baseline** (one token per forward) · runs second")
+                        gr.Markdown("**AR baseline** (one token per forward)")
                         race_ar = gr.HTML(render.live_clear(), html_template=LIVE_TEMPLATE, js_on_load=_live_js(
                             "AR decoding appears here."), server_functions=[live_events], container=True,
-                            padding=True)
-            with gr.Tab("Sweep", id="sweep"):
+                            padding=True, elem_id="fd-race-ar")
+            with gr.Tab("Sweep", id="sweep", elem_id="fd-tab-sweep"):
                 gr.Markdown("One prompt across thresholds (and block sizes), threshold strategy, the other settings "
-                            "as set below: how tokens/s and tokens per forward move with the threshold.")
+                            "as in Decoding settings: how tokens/s and tokens per forward move with the threshold. "
+                            "Each point is the median of its runs; bars show the tokens/s range.")
                 with gr.Row():
-                    sweep_msg = gr.Textbox(value=EXAMPLES[0], show_label=False, scale=4, placeholder="Prompt to sweep")
+                    sweep_msg = gr.Textbox(value=EXAMPLES[0], show_label=False, scale=4, placeholder="Prompt to sweep",
+                                           elem_id="fd-sweep-msg")
                     sweep_th = gr.CheckboxGroup(list(SWEEP_THRESHOLDS), value=[0.5, 0.7, 0.9, 1.0], label="thresholds",
                                                 scale=3)
                     sweep_bs = gr.CheckboxGroup(list(BLOCK_SIZES), value=[d["block_size"]], label="block sizes",
                                                 scale=2)
-                    sweep_btn = gr.Button("Run sweep", variant="primary", scale=1, interactive=eng.can_diffuse)
-                sweep_plot = gr.Plot(plots.sweep_figure([]), show_label=False)
-                sweep_table = gr.Dataframe(headers=["threshold", "block_size", "sub_block_size", "tokens_per_second",
-                                                    "tokens_per_forward", "nfe", "answer_tokens", "seconds",
-                                                    "stop_reason"], interactive=False, label="runs")
+                    sweep_reps = gr.Slider(1, MAX_REPEATS, value=2, step=1, label="runs per point", scale=2)
+                with gr.Row():
+                    sweep_btn = gr.Button("Run sweep", variant="primary", interactive=eng.can_diffuse,
+                                          elem_id="fd-sweep")
+                    sweep_stop = gr.Button("Stop", variant="stop", interactive=False, elem_id="fd-sweep-stop")
+                sweep_status = gr.HTML("", js_on_load=None, elem_id="fd-sweep-status")
+                sweep_plot = gr.Plot(plots.sweep_figure([]), show_label=False, elem_id="fd-sweep-plot")
+                sweep_table = gr.Dataframe(headers=list(SWEEP_COLUMNS), interactive=False, label="runs")
 
-        with gr.Accordion("Decoding settings: block size, sub-block, threshold, cache, sampling", open=False,
-                          elem_id="fd-settings"):
-            with gr.Row():
-                mode = gr.Radio(["diffusion", "ar"] if eng.can_diffuse else ["ar"], value=d["mode"], label="mode",
-                                info=INFO["mode"])
-                cache = gr.Radio(["none", "block", "dual"], value=d["cache"], label="cache", info=INFO["cache"])
-                strategy = gr.Radio(["threshold", "factor"], value=d["strategy"], label="strategy",
-                                    info=INFO["strategy"])
-            with gr.Row():
-                block = gr.Dropdown(list(BLOCK_SIZES), value=d["block_size"], label="block size",
-                                    info=INFO["block_size"])
-                sub = gr.Dropdown(divisors(d["block_size"]), value=d["sub_block_size"], label="sub-block size",
-                                  info=INFO["sub_block_size"])
-                threshold = gr.Slider(0.05, 1.0, value=d["threshold"], step=0.01, label="threshold",
-                                      info=INFO["threshold"])
-                factor = gr.Slider(0.1, 10.0, value=d["factor"], step=0.1, label="factor", info=INFO["factor"],
-                                   visible=False)
-            with gr.Row():
-                max_new = gr.Slider(8, 1024, value=d["max_new_tokens"], step=8, label="max new tokens",
-                                    info=INFO["max_new_tokens"], elem_id="fd-max-new")
-                temperature = gr.Slider(0.0, 2.0, value=d["temperature"], step=0.05, label="temperature",
-                                        info=INFO["temperature"])
-                top_p = gr.Slider(0.05, 1.0, value=d["top_p"], step=0.01, label="top-p", info=INFO["top_p"])
-                seed = gr.Number(value=d["seed"], precision=0, minimum=-1, label="seed", info=INFO["seed"])
-            system = gr.Textbox(value=d["system_prompt"], label="system prompt", info=INFO["system_prompt"], lines=1)
         widgets = [mode, block, sub, threshold, strategy, factor, cache, max_new, temperature, top_p, seed, system]
         assert len(widgets) == len(SETTING_KEYS)
+        private = dict(api_visibility="private", queue=False)
 
         # ------------------------------------------------------------------ settings plumbing (not API)
         block.change(lambda bs, s: gr.update(choices=divisors(int(bs)), value=fit_sub_block(int(bs), s)),
-                     [block, sub], sub, api_visibility="private", queue=False)
+                     [block, sub], sub, **private)
         strategy.change(lambda s: (gr.update(visible=s == "threshold"), gr.update(visible=s == "factor")),
-                        strategy, [threshold, factor], api_visibility="private", queue=False)
+                        strategy, [threshold, factor], **private)
+        gr.on([threshold.change, strategy.change],
+              lambda s, t: render.presets_html(PRESETS, measured, s, float(t)),
+              [strategy, threshold], presets_info, **private)
+        for p, b in zip(PRESETS, preset_btns):
+            b.click(lambda p=p: (gr.update(value=p["settings"].get("strategy", "threshold")),
+                                 gr.update(value=p["settings"].get("threshold", d["threshold"])),
+                                 gr.update(value="diffusion")),
+                    None, [strategy, threshold, mode], **private)
 
         # ------------------------------------------------------------------ streaming one decode into a live view
         def live_run(prep: Prepared, key: str, view: gr.HTML, first: dict | None = None, extra=None):
@@ -275,7 +303,7 @@ def build(studio: Studio) -> gr.Blocks:
                                view: render.live_payload(run, seq, events, frame=frame)}
                         seq += len(events)
             except ConfigError as e:
-                raise _error(e) from None
+                raise error(e) from None
             except Exception as e:  # an engine failure: say so; the conversation is kept
                 raise gr.Error(f"decoding failed: {e}") from e
             finally:
@@ -286,13 +314,12 @@ def build(studio: Studio) -> gr.Blocks:
         # ------------------------------------------------------------------ chat
         chat_outputs = [msg, chatbot, convo, live, meters, traces, replay_pick, player, heatmap, download, replay_meta,
                         send, stop]
-        idle = dict(api_visibility="private", queue=False)  # re-enable buttons after a run, even a failed one
 
-        def chat_ui(key: str, message: str, conv: list, trs: list, *values: Any):
+        def chat_ui(request: gr.Request, message: str, conv: list, trs: list, *values: Any):
             try:
                 prep = studio.prepare(message, conv, settings_from_widgets(*values))
             except ConfigError as e:
-                raise _error(e) from None
+                raise error(e) from None
             user = {"role": "user", "content": message}
             answer = ""
 
@@ -305,8 +332,10 @@ def build(studio: Studio) -> gr.Blocks:
                     if delta or not events else {}
 
             start = {msg: "", send: gr.update(interactive=False), stop: gr.update(interactive=True)}
-            result, last = yield from live_run(prep, key, live, start, bubble)
-            new_conv = conv + [user, {"role": "assistant", "content": result.text}]
+            result, last = yield from live_run(prep, request.session_hash, live, start, bubble)
+            stopped = result.summary.stop_reason == render.STOPPED
+            reply = {"role": "assistant", "content": result.text, **({"stopped": True} if stopped else {})}
+            new_conv = conv + [user, reply]
             new_trs = _entry(result.trace, trs, "chat · ", _key(prep))
             ar = None
             if prep.cfg.mode == "diffusion":
@@ -319,18 +348,30 @@ def build(studio: Studio) -> gr.Blocks:
                    meters: render.meters_html(result.summary, f"{prep.cfg.mode} · engine time", ar, note),
                    traces: new_trs, replay_pick: pick, player: pl, heatmap: hm, download: dl, replay_meta: meta}
 
-        gr.on([msg.submit, send.click], chat_ui, [sid, msg, convo, traces, *widgets], chat_outputs,
-              api_visibility="private", **ENGINE).then(
-            lambda: (gr.update(interactive=True), gr.update(interactive=False)), None, [send, stop], **idle)
+        chat_args = ([msg, convo, traces, *widgets], chat_outputs)
+        idle = (lambda: (gr.update(interactive=True), gr.update(interactive=False)), None, [send, stop])
+        quiet = dict(api_visibility="private", show_progress="hidden", **ENGINE)  # the live view shows progress
+        gr.on([msg.submit, send.click], chat_ui, *chat_args, **quiet).then(*idle, **private)
 
-        def stop_run(key: str) -> None:
-            request_stop(key)
+        def pick_example(e: gr.SelectData) -> str:
+            return e.value["text"]
 
-        for b in (stop, race_stop):
-            b.click(stop_run, sid, None, queue=False, api_visibility="private")
+        # the examples shown in the empty chat: a click sends that message
+        chatbot.example_select(pick_example, None, msg, **private).then(chat_ui, *chat_args, **quiet).then(
+            *idle, **private)
 
-        clear.click(lambda: ([], [], render.live_clear(message="Cleared."), render.meters_html(None), ""),
-                    None, [chatbot, convo, live, meters, msg], api_visibility="private", queue=False)
+        def stop_run(request: gr.Request) -> None:
+            request_stop(request.session_hash)
+
+        for b in (stop, race_stop, sweep_stop):
+            b.click(stop_run, None, None, **private)
+
+        # every way of clearing (our button, the chatbot's own trash icon) empties the conversation state too
+        def clear_chat():
+            return [], [], render.live_clear(message="Cleared."), render.meters_html(None), ""
+
+        for ev in (clear.click, chatbot.clear):
+            ev(clear_chat, None, [chatbot, convo, live, meters, msg], **private)
 
         # ------------------------------------------------------------------ replay
         replay_outputs = [replay_pick, player, heatmap, download, replay_meta]
@@ -363,123 +404,92 @@ def build(studio: Studio) -> gr.Blocks:
         race_outputs = [race_meters, race_d, race_ar, traces, replay_pick, player, heatmap, download, replay_meta,
                         race_btn]
 
-        def race_ui(key: str, message: str, trs: list, *values: Any):
+        def race_ui(request: gr.Request, message: str, reps: Any, trs: list, *values: Any):
             try:
                 preps = studio.race_preps(message, settings_from_widgets(*values))
+                reps = check_repeats(reps)
             except ConfigError as e:
-                raise _error(e) from None
-            results: list[Result] = []
-            yield {race_btn: gr.update(interactive=False), race_d: render.live_clear(message="Waiting…"),
-                   race_ar: render.live_clear(message="Waits for the diffusion run to finish (one engine)."),
-                   race_meters: render.race_html(None, None, "Running Fast-dLLM v2 (1/2)…")}
-            for n, (prep, view) in enumerate(zip(preps, (race_d, race_ar))):
-                result, last = yield from live_run(prep, key, view)
-                results.append(result)
-                status = "Running AR baseline (2/2)…" if n == 0 else "Done: diffusion ran first, then AR."
-                if result.summary.stop_reason == "cancelled":
-                    status = "Stopped."
-                ar = results[1].summary if n else None
-                yield {view: last, race_meters: render.race_html(results[0].summary, ar, status)}
-                if result.summary.stop_reason == "cancelled":
+                raise error(e) from None
+            runs: dict[str, list[Result]] = {"diffusion": [], "ar": []}
+            views = {"diffusion": race_d, "ar": race_ar}
+            yield {race_btn: gr.update(interactive=False), race_d: render.live_clear(message="Starting…"),
+                   race_ar: render.live_clear(message="Runs after each diffusion run (one engine)."),
+                   race_meters: render.race_html([], [], f"Run 1/{reps}: Fast-dLLM v2…")}
+            stopped = False
+            for n in range(reps):
+                for prep in preps:
+                    mode = prep.cfg.mode
+                    result, last = yield from live_run(prep, request.session_hash, views[mode])
+                    runs[mode].append(result)
+                    stopped = result.summary.stop_reason == render.STOPPED
+                    if stopped:
+                        status = f"Stopped during {'the diffusion' if mode == 'diffusion' else 'the AR'} run {n + 1}."
+                    elif mode == "diffusion":
+                        status = f"Run {n + 1}/{reps}: AR baseline…"
+                    elif n + 1 < reps:
+                        status = f"Run {n + 2}/{reps}: Fast-dLLM v2…"
+                    else:
+                        status = f"Done: {reps} interleaved run(s) each."
+                    out = {views[mode]: last, race_meters: render.race_html(
+                        [r.summary for r in runs["diffusion"]], [r.summary for r in runs["ar"]], status)}
+                    if stopped and mode == "diffusion" and not runs["ar"]:
+                        out[race_ar] = render.live_clear(message="Not run: the race was stopped during the "
+                                                                 "diffusion run.")
+                    yield out
+                    if stopped:
+                        break
+                if stopped:
                     break
             new_trs = trs
-            for r, tag in zip(results, ("race · ", "race · ")):
-                new_trs = _entry(r.trace, new_trs, tag, _key(preps[0]))
+            for r in (x for pair in zip(runs["diffusion"], runs["ar"] + [None]) for x in pair if x is not None):
+                new_trs = _entry(r.trace, new_trs, "race · ", _key(preps[0]))
             yield {traces: new_trs, **dict(zip(replay_outputs, _replay_outputs(new_trs, len(new_trs) - 1)))}
 
-        race_btn.click(race_ui, [sid, race_msg, traces, *widgets], race_outputs, api_visibility="private",
-                       **ENGINE).then(lambda: gr.update(interactive=True), None, race_btn, **idle)
+        race_btn.click(race_ui, [race_msg, race_reps, traces, *widgets], race_outputs, **quiet).then(
+            lambda: gr.update(interactive=True), None, race_btn, **private)
 
         # ------------------------------------------------------------------ sweep
-        def sweep_ui(key: str, message: str, ths: list, bss: list, *values: Any):
+        def sweep_ui(request: gr.Request, message: str, ths: list, bss: list, reps: Any, *values: Any):
             try:
                 plan = studio.sweep_plan(message, ths, bss, settings_from_widgets(*values))
+                reps = check_repeats(reps)
             except ConfigError as e:
-                raise _error(e) from None
-            rows: list[dict] = []
-            yield {sweep_btn: gr.update(interactive=False, value=f"Running 0/{len(plan)}…")}
+                raise error(e) from None
+            key, rows = request.session_hash, []
+            total = len(plan) * reps
+            yield {sweep_btn: gr.update(interactive=False, value=f"Running 0/{total}…"),
+                   sweep_stop: gr.update(interactive=True), sweep_status: ""}
             for i, prep in enumerate(plan):
-                flag, res = cancel_event(key), None
-                try:
-                    with closing(studio.steps(prep, key)) as steps:
-                        for x in steps:
-                            if isinstance(x, Result):
-                                res = x
-                            else:  # an empty frame: a closed tab ends the generator here, within one forward
-                                yield gr.skip()
-                except Exception as e:
-                    raise gr.Error(f"decoding failed: {e}") from e
-                finally:
-                    release(key, flag)
-                assert res is not None
-                if res.summary.stop_reason == "cancelled":
-                    break
-                rows.append(studio.sweep_row(prep, res))
-                yield {sweep_plot: plots.sweep_figure(rows), sweep_table: [list(r.values()) for r in rows],
-                       sweep_btn: gr.update(value=f"Running {i + 1}/{len(plan)}…")}
+                results: list[Result] = []
+                for k in range(reps):
+                    flag, res = cancel_event(key), None
+                    try:
+                        with closing(studio.steps(prep, key)) as steps:
+                            for x in steps:
+                                if isinstance(x, Result):
+                                    res = x
+                                else:  # an empty frame: a closed tab ends the generator here, within one forward
+                                    yield gr.skip()
+                    except Exception as e:
+                        raise gr.Error(f"decoding failed: {e}") from e
+                    finally:
+                        release(key, flag)
+                    assert res is not None
+                    if res.summary.stop_reason == render.STOPPED:
+                        yield {sweep_status: f'<div class="fd-stopped-note">Stopped after {len(rows)} of '
+                                             f'{len(plan)} points: the plot shows the finished ones.</div>'}
+                        return
+                    results.append(res)
+                    yield {sweep_btn: gr.update(value=f"Running {i * reps + k + 1}/{total}…")}
+                rows.append(studio.sweep_row(prep, results))
+                yield {sweep_plot: plots.sweep_figure(rows), sweep_table: [[r[c] for c in SWEEP_COLUMNS] for r in rows]}
 
-        sweep_btn.click(sweep_ui, [sid, sweep_msg, sweep_th, sweep_bs, *widgets], [sweep_plot, sweep_table, sweep_btn],
-                        api_visibility="private", **ENGINE).then(
-            lambda: gr.update(interactive=True, value="Run sweep"), None, sweep_btn, **idle)
+        sweep_btn.click(sweep_ui, [sweep_msg, sweep_th, sweep_bs, sweep_reps, *widgets],
+                        [sweep_plot, sweep_table, sweep_btn, sweep_stop, sweep_status], **quiet).then(
+            lambda: (gr.update(interactive=True, value="Run sweep"), gr.update(interactive=False)), None,
+            [sweep_btn, sweep_stop], **private)
 
-        # ------------------------------------------------------------------ named API (gradio_client)
-        def api(fn):
-            @functools.wraps(fn)
-            def call(*args: Any) -> Any:
-                try:
-                    return fn(*args)
-                except (ConfigError, TraceError) as e:
-                    raise _error(e) from None
-                except Exception as e:  # a bug or an engine failure: a message, not Gradio's opaque "Error"
-                    raise gr.Error(f"{fn.__name__} failed: {e}") from e
-            return call
-
-        def streamed(fn):
-            """A decoding endpoint as a generator: Gradio closes it when the client cancels (job.cancel()) or
-            disconnects, and closing stops the engine after its current forward (no orphan work)."""
-            @functools.wraps(fn)
-            def call(*args: Any) -> Any:
-                try:
-                    yield from fn(*args)
-                except (ConfigError, TraceError) as e:
-                    raise _error(e) from None
-                except Exception as e:  # an engine failure mid-generation: say so; the next request works
-                    raise gr.Error(f"decoding failed: {e}") from e
-            return call
-
-        # The return annotations give Gradio the outputs (and the API docs); each endpoint yields such a value
-        # once per frame (the answer so far) and the final result last, which is what Client.predict returns.
-        def generate(message: str, history: list, settings: dict) -> tuple[str, str]:
-            """Answer one chat turn. history: [{role, content}]; settings: decoding settings (see /info).
-            Returns (answer text, trace JSON); streams (answer so far, "") while decoding."""
-            yield from studio.generate(message, history, settings)
-
-        def race_api(message: str, settings: dict) -> dict:
-            """Decode one prompt by block diffusion, then by the AR baseline; both summaries and the speed-up.
-            Streams {running, text} while decoding."""
-            yield from studio.race(message, settings)
-
-        def sweep_api(message: str, thresholds: list, block_sizes: list, settings: dict) -> list:
-            """One prompt across thresholds × block sizes: tokens/s and tokens/forward per run (streams the
-            rows so far)."""
-            yield from studio.sweep(message, thresholds, block_sizes, settings)
-
-        def check_trace(trace_json: str) -> dict:
-            """Validate a trace JSON as the replay upload does; returns its header and summary."""
-            tr = parse_trace(trace_json)
-            return {"header": tr.header, "events": len(tr.events),
-                    "summary": summary_dict(Result(tr.summary, None)) if tr.summary else None}
-
-        def info() -> dict:
-            """The loaded model and the default settings."""
-            return {"banner": lm.banner(), "can_diffuse": eng.can_diffuse, "defaults": d,
-                    "block_sizes": list(BLOCK_SIZES), "settings_help": INFO}
-
-        gr.api(streamed(generate), api_name="generate", **ENGINE)
-        gr.api(streamed(race_api), api_name="race", **ENGINE)
-        gr.api(streamed(sweep_api), api_name="sweep", **ENGINE)
-        gr.api(api(check_trace), api_name="check_trace")
-        gr.api(info, api_name="info")
+        api.register(studio, d)
     return demo
 
 
@@ -499,8 +509,13 @@ def queue_kwargs(max_size: int | None = None) -> dict[str, Any]:
 def launch_kwargs() -> dict[str, Any]:
     """css / head / theme for launch() (Gradio 6 takes them there, not in Blocks)."""
     js = (STATIC / "studio.js").read_text(encoding="utf-8")
-    theme = gr.themes.Soft(primary_hue="blue", neutral_hue="slate",
+    # indigo accent on slate: the banner, the active sub-block and the buttons share it; dark surfaces are
+    # stepped (page < panel < card) so panels read as panels in both themes
+    theme = gr.themes.Soft(primary_hue="indigo", secondary_hue="indigo", neutral_hue="slate", radius_size="md",
                            font=["ui-sans-serif", "system-ui", "sans-serif"],
-                           font_mono=["ui-monospace", "SFMono-Regular", "Menlo", "monospace"])
+                           font_mono=["ui-monospace", "SFMono-Regular", "Menlo", "monospace"]).set(
+        body_background_fill="*neutral_50", body_background_fill_dark="#0b1120",
+        block_background_fill_dark="*neutral_900", background_fill_secondary_dark="#141c2f",
+        block_border_width="1px", block_shadow="0 1px 2px rgba(15, 23, 42, 0.06)", block_shadow_dark="none")
     return {"css": (STATIC / "studio.css").read_text(encoding="utf-8"), "head": f"<script>{js}</script>",
             "theme": theme, "footer_links": ["api", "gradio"], "max_file_size": MAX_TRACE_BYTES + 2**20}

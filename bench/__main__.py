@@ -1,10 +1,10 @@
-"""python -m bench {throughput,quality,profile,forward,roofline,serve}: the Fast-dLLM v2 benchmarks."""
+"""python -m bench {throughput,quality,profile,forward,roofline,gpu,serve}: the Fast-dLLM v2 benchmarks."""
 from __future__ import annotations
 
 import argparse
 import sys
 
-from . import forward, profile, quality, roofline, serve, throughput
+from . import forward, gpu, profile, quality, roofline, serve, throughput
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -15,6 +15,7 @@ def main(argv: list[str] | None = None) -> int:
     profile.add_parser(sub)
     forward.add_parser(sub)
     roofline.add_parser(sub)
+    gpu.add_parser(sub)
     serve.add_parser(sub)
     args = parser.parse_args(argv)
     return args.func(args)

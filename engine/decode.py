@@ -19,6 +19,7 @@ from .config import DecodeConfig
 from .events import Event, Listener, Summary, Token
 from .model import CausalLM, KVCache, block_causal_mask, causal_mask
 from .sampling import sample, select_commits
+from .static import StaticStepper
 from .text import IncrementalDetokenizer, TokenBytes
 
 
@@ -69,9 +70,11 @@ class Decoder:
     """
 
     def __init__(self, model: CausalLM, cfg: DecodeConfig, mask_id: int | None, tb: TokenBytes,
-                 listener: Listener | None = None, cancel: Cancel | None = None):
+                 listener: Listener | None = None, cancel: Cancel | None = None,
+                 stepper: StaticStepper | None = None):
         self.model, self.cfg, self.mask_id, self.tb = model, cfg, mask_id, tb
         self.listener, self.cancel = listener, cancel
+        self.stepper = stepper  # static-shape (CUDA graph) decode steps; None = CausalLM.forward
         self.stop_ids = set(cfg.stop_token_ids)
         self.device = next(model.parameters()).device
         self.gen = torch.Generator(device=self.device)
@@ -89,6 +92,32 @@ class Decoder:
         if self.mask_id is not None and self.mask_id < logits.shape[-1]:
             logits[..., self.mask_id] = float("-inf")  # the mask token is never an answer token
         return sample(logits, self.cfg.temperature, self.cfg.top_p, self.gen)
+
+    def _new_cache(self, batch: int, max_len: int) -> KVCache:
+        if self.stepper is not None:
+            return self.stepper.new_cache(batch, max_len)
+        return KVCache(self.model.cfg, batch, max_len, self.device, self._dtype())
+
+    def _step(self, ids: Tensor, pos: Tensor, cache: KVCache, *, start: int | None, ends: list[int],
+              mask: Tensor | None, logits_idx: Tensor, width: int) -> Tensor:
+        """A cached decode forward of a fixed-width kind (AR 1, dual sub-block + 1, block): keys < ends[row]
+        are visible. Through the static stepper when there is one, else CausalLM.forward."""
+        if self.stepper is not None:
+            return self.stepper.step(ids, pos, cache, ends, logits_idx, width)
+        return self.model(ids, pos, cache, start=start, kv_len=max(ends), mask=mask, logits_idx=logits_idx)
+
+    @staticmethod
+    def _to_host(tok: Tensor, conf: Tensor) -> tuple[list, list]:
+        """Tokens and confidences in one device->host copy (with the static stepper, the step's only sync)."""
+        both = torch.stack((tok.to(torch.float64), conf.to(torch.float64))).cpu()
+        return both[0].long().tolist(), both[1].tolist()
+
+    def _write_tokens(self, seq: Tensor, writes: list[tuple[int, int, int]]) -> None:
+        """A step's committed (row, position, token) into the device sequence in one copy, not one per token."""
+        if writes:
+            n, width = len(writes), seq.shape[1]
+            both = torch.tensor([b * width + q for b, q, _ in writes] + [t for _, _, t in writes], device=seq.device)
+            seq.view(-1).scatter_(0, both[:n], both[n:])
 
     def _commit(self, row: Row, q: int, tok: int, conf: float, out: list[Token]) -> None:
         row.answer[q - row.prompt_len] = tok
@@ -173,7 +202,7 @@ class Decoder:
         for b, p in enumerate(prompts):
             seq[b, :len(p)] = torch.tensor(p, dtype=torch.long, device=self.device)
         cache = None if (self.cfg.mode == "diffusion" and self.cfg.cache == "none") else \
-            KVCache(self.model.cfg, len(rows), max_len, self.device, self._dtype())
+            self._new_cache(len(rows), max_len)
         batch = Batch(rows, seq, cache)
         if self.cfg.mode == "ar":
             self._prefill_ar(batch)
@@ -198,6 +227,8 @@ class Decoder:
 
     def merge(self, a: Batch, b: Batch) -> Batch:
         """Rows b join batch a (admission between forwards): seq and cache padded to the longer room."""
+        if self.stepper is not None:
+            raise ValueError("merge: the static stepper's cache has a fixed shape; a scheduler decodes without it")
         if not a.rows or not b.rows:
             return a if a.rows else b
         n = max(a.seq.shape[1], b.seq.shape[1])
@@ -242,28 +273,31 @@ class Decoder:
         self._commit_ar(batch, logits, "prefill")
 
     def _step_ar(self, batch: Batch) -> None:
-        q = torch.tensor([r.prompt_len + r.emitted_ar - 1 for r in batch.rows], device=self.device)
-        same = bool((q == q[0]).all())
-        kv_len = int(q.max()) + 1
-        mask = None if same else causal_mask(q[:, None], kv_len)
-        logits = self.model(batch.seq.gather(1, q[:, None]), q[:, None], batch.cache,
-                            start=int(q[0]) if same else None, kv_len=kv_len, mask=mask)
+        qs = [r.prompt_len + r.emitted_ar - 1 for r in batch.rows]  # host lists: no device sync
+        q = torch.tensor(qs, device=self.device)
+        same = all(x == qs[0] for x in qs)
+        mask = None if same else causal_mask(q[:, None], max(qs) + 1)
+        last = torch.zeros((len(qs), 1), dtype=torch.long, device=self.device)
+        logits = self._step(batch.seq.gather(1, q[:, None]), q[:, None], batch.cache, start=qs[0] if same else None,
+                            ends=[x + 1 for x in qs], mask=mask, logits_idx=last, width=1)
         self._commit_ar(batch, logits, "step")
 
     def _commit_ar(self, batch: Batch, logits: Tensor, kind: str) -> None:
         tok, conf = self._sample(logits[:, -1])
-        for b, (r, t, c) in enumerate(zip(batch.rows, tok.tolist(), conf.tolist())):
+        writes: list[tuple[int, int, int]] = []
+        for b, (r, t, c) in enumerate(zip(batch.rows, *self._to_host(tok, conf))):
             r.nfe += 1
             q = r.prompt_len + r.emitted_ar
             r.emitted_ar += 1
             committed: list[Token] = []
             self._commit(r, q, t, c, committed)
-            batch.seq[b, q] = t
+            writes.append((b, q, t))
             self._emit(kind, r, -1, committed, [])
             if r.stop_at is not None:
                 self._finish(r, "stop_token")
             elif q + 1 >= r.limit:
                 self._finish(r, "max_new_tokens")
+        self._write_tokens(batch.seq, writes)
 
     def _dtype(self) -> torch.dtype:
         return next(self.model.parameters()).dtype
@@ -302,8 +336,9 @@ class Decoder:
             starts = [r.block_start if full else min(s, r.block_start + bs - width) for r, (_, s, _) in zip(live, plan)]
             st = torch.tensor(starts, device=self.device)
             pos = st[:, None] + torch.arange(width, device=self.device)[None]
-            ends_t = torch.tensor([r.block_start + bs for r in live], device=self.device)
-            kv_len = int(ends_t.max())
+            ends = [r.block_start + bs for r in live]
+            ends_t = torch.tensor(ends, device=self.device)
+            kv_len = max(ends)
             same = all(s == starts[0] for s in starts)
             mask = None if same else (torch.arange(kv_len, device=self.device)[None, None, None] < ends_t[:, None, None, None])
             ids, start = seq.gather(1, pos), (starts[0] if same else None)
@@ -313,8 +348,12 @@ class Decoder:
                 targets.append([r.block_start + bs]) if r.block_start + bs < r.limit else targets.append([])
             else:
                 targets.append(self._targets(r, a, a + width, full=full or cfg.cache == "none"))
-        logits = self.model(ids, pos, cache, start=start, kv_len=kv_len, mask=mask,
-                            logits_idx=self._idx(targets, starts))
+        idx = self._idx(targets, starts)
+        if cache is None:
+            logits = self.model(ids, pos, cache, start=start, kv_len=kv_len, mask=mask, logits_idx=idx)
+        else:
+            logits = self._step(ids, pos, cache, start=start, ends=ends, mask=mask, logits_idx=idx,
+                                width=bs if full else cfg.sub_block_size + 1)
         kinds = [k for k, _, _ in plan]
         self._after_forward(kinds, live, seq, targets, logits, [full or cfg.cache == "none"] * len(live))
 
@@ -361,14 +400,15 @@ class Decoder:
         cfg, bs, sbs = self.cfg, self.cfg.block_size, self.cfg.sub_block_size
         kinds = [kinds] * len(rows) if isinstance(kinds, str) else kinds
         tok, conf = self._sample(logits)
-        tok_l, conf_l = tok.tolist(), conf.tolist()
+        tok_l, conf_l = self._to_host(tok, conf)
+        writes: list[tuple[int, int, int]] = []
         for b, (r, kind, tq) in enumerate(zip(rows, kinds, targets)):
             r.nfe += 1
             committed: list[Token] = []
             if kind == "commit":
                 if tq:  # the clean block's last logit gives the next block's first token
                     self._commit(r, tq[0], tok_l[b][0], conf_l[b][0], committed)
-                    seq[b, tq[0]] = tok_l[b][0]
+                    writes.append((b, tq[0], tok_l[b][0]))
                 r.block_start += bs
                 r.refreshed_sub = -1
                 self._emit("commit", r, -1, committed, [])
@@ -384,12 +424,13 @@ class Decoder:
                 for j, q in enumerate(tq):
                     if j < n_sub and chosen[j]:
                         self._commit(r, q, tok_l[b][j], conf_l[b][j], committed)
-                        seq[b, q] = tok_l[b][j]
+                        writes.append((b, q, tok_l[b][j]))
                     elif self._listening(r):
                         t = tok_l[b][j]
                         masked.append(Token(q - r.prompt_len, t, self.tb.piece(t), conf_l[b][j]))
                 self._emit("prefill" if kind == "prefill" else "step", r, k, committed, masked)
             self._check_done(r)
+        self._write_tokens(seq, writes)
 
     def _check_done(self, r: Row) -> None:
         if r.done:

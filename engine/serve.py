@@ -13,6 +13,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -229,7 +230,8 @@ def create_app(engine: Engine, scheduler: Scheduler, model_id: str | None = None
 
     lm = engine.lm
     about = {"banner": lm.banner(), "can_diffuse": engine.can_diffuse, "max_model_len": engine.max_context,
-             "bd_size": lm.cfg.bd_size, "source": lm.source.reason, "adapter": bool(lm.source.adapter),
+             "bd_size": lm.cfg.bd_size, "source": lm.source.reason,
+             "adapter": Path(lm.source.adapter).name if lm.source.adapter else None,
              "device": lm.device.type, "dtype": str(lm.dtype).replace("torch.", ""),
              "mask_token_id": lm.mask_token_id, "stop_token_ids": list(lm.stop_token_ids)}  # what a remote studio
     # shows, lays its live view out by, and writes into trace headers

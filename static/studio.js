@@ -3,7 +3,8 @@
  * Input is the engine's trace format (engine/events.py): a header, then one event per forward with
  * `committed` and `masked` lists of [pos, id, text, conf] (pos answer-relative). The live view gets only
  * the events new since the last frame; the replay player walks a stored trace. Model text is untrusted:
- * the DOM is built with textContent only, never innerHTML.
+ * the DOM is built with textContent only, never innerHTML. Everything shown is numbered from 1 (blocks,
+ * sub-blocks, answer tokens, forwards); the trace itself keeps the engine's 0-based positions.
  */
 (() => {
   "use strict";
@@ -13,16 +14,22 @@
   const STAT_HELP = {
     NFE: "forwards so far (network function evaluations), prefill and block commits included",
     steps: "decoding forwards (prefill + sub-block steps; block-commit forwards not counted)",
-    block: "active block (absolute index on the block grid)",
-    "sub-block": "active sub-block inside the block",
+    block: "active block, counted from 1 on the block grid (which starts at the prompt's first token)",
+    "sub-block": "active sub-block inside the block / sub-blocks per block",
     tokens: "committed answer tokens / max new tokens",
     "tok/forward": "committed tokens per forward so far",
     engine: "engine time since decoding started (UI excluded)",
   };
   const GROUP_HUES = [210, 32, 280, 175, 330, 95];
 
-  const confHue = (c) => 8 + 127 * Math.max(0, Math.min(1, c));
-  const confColour = (c, a) => `hsla(${confHue(c).toFixed(1)}, 68%, 47%, ${a})`;
+  // viridis (colour-blind safe, as the heatmap in app/plots.py): dark purple = low confidence, yellow = high
+  const VIRIDIS = [[68, 1, 84], [59, 82, 139], [33, 145, 140], [94, 201, 98], [253, 231, 37]];
+  const confColour = (c, a) => {
+    const x = Math.max(0, Math.min(1, Number(c) || 0)) * (VIRIDIS.length - 1);
+    const i = Math.min(VIRIDIS.length - 2, Math.floor(x)), f = x - i;
+    const [r, g, b] = VIRIDIS[i].map((v, k) => Math.round(v + (VIRIDIS[i + 1][k] - v) * f));
+    return `rgba(${r}, ${g}, ${b}, ${a})`;
+  };
   const visible = (s) => (s === "" ? "∅" : s.replace(/ /g, "␣").replace(/\n/g, "↵").replace(/\t/g, "⇥").replace(/\r/g, "␍"));
   const fmt = (x, d = 2) => (Number.isFinite(x) ? x.toFixed(d) : "–");
 
@@ -34,19 +41,26 @@
   }
 
   function legend() {
+    // each item is a swatch followed by its own words, kept together, so no label reads as another's value
     const box = el("div", "fd-legend");
-    box.append(el("span", "fd-legend-k", "confidence"));
+    const item = (...parts) => { const i = el("span", "fd-legend-item"); i.append(...parts); box.append(i); };
     const bar = el("span", "fd-legend-bar");
     const stops = [];
-    for (let i = 0; i <= 10; i++) stops.push(`${confColour(i / 10, 0.85)} ${i * 10}%`);
+    for (let i = 0; i <= 10; i++) stops.push(`${confColour(i / 10, 0.9)} ${i * 10}%`);
     bar.style.background = `linear-gradient(90deg, ${stops.join(", ")})`;
-    box.append(el("span", "fd-legend-n", "0"), bar, el("span", "fd-legend-n", "1"));
-    const m = el("span", "fd-cell fd-masked fd-legend-cell", "");
+    item(el("span", "fd-legend-k", "confidence"), el("span", "fd-legend-n", "0"), bar, el("span", "fd-legend-n", "1"));
+    const m = el("span", "fd-cell fd-masked fd-legend-cell");
     m.append(el("span", "fd-tok", "▒▒"));
-    const p = el("span", "fd-cell fd-prompt fd-legend-cell", "");
+    item(m, el("span", "fd-legend-k", "masked"));
+    const p = el("span", "fd-cell fd-prompt fd-legend-cell");
     p.append(el("span", "fd-tok", "·"));
-    box.append(m, el("span", "fd-legend-k", "masked"), p, el("span", "fd-legend-k", "prompt"),
-      el("span", "fd-legend-badge", "7"), el("span", "fd-legend-k", "commit forward · same outline = same step · hover for details"));
+    item(p, el("span", "fd-legend-k", "prompt"));
+    const c = el("span", "fd-cell fd-legend-cell fd-legend-tok");
+    c.style.background = confColour(0.95, 0.35);
+    c.append(el("span", "fd-tok", "sea"), el("span", "fd-step", "3"));
+    item(c, el("span", "fd-legend-k", "committed at forward 3"));
+    item(el("span", "fd-legend-k fd-legend-hint", "same outline = same forward · click a token for details · Esc closes"));
+    item(el("span", "fd-legend-k fd-legend-wrap", "narrow screen: a block's sub-blocks wrap onto several lines"));
     return box;
   }
 
@@ -66,14 +80,42 @@
       this.empty = el("div", "fd-empty", opts.empty || "Send a message to watch the blocks denoise.");
       root.append(head, legend(), this.grid, this.empty, this.card);
       this.pinned = null;
-      this.grid.addEventListener("mouseover", (e) => { const c = e.target.closest(".fd-cell"); if (c && !this.pinned) this.show(c); });
+      this.grid.setAttribute("role", "group");
+      this.grid.setAttribute("aria-label", "denoising view: one row per block; Tab to a token, Enter pins its card, Escape closes it");
+      this.card.setAttribute("role", "dialog");
+      this.card.setAttribute("aria-live", "polite");
+      const cellOf = (e) => { const c = e.target.closest && e.target.closest(".fd-cell[data-pos]"); return c && this.grid.contains(c) ? c : null; };
+      this.grid.addEventListener("mouseover", (e) => { const c = cellOf(e); if (c && !this.pinned) this.show(c); });
       this.grid.addEventListener("mouseleave", () => { if (!this.pinned) this.hide(); });
-      this.grid.addEventListener("click", (e) => {
-        const c = e.target.closest(".fd-cell");
-        if (!c || this.pinned === c) { this.pinned = null; this.hide(); return; }
-        this.pinned = null; this.show(c); this.pinned = c;
+      this.grid.addEventListener("focusin", (e) => { const c = cellOf(e); if (c && !this.pinned) this.show(c); });
+      this.grid.addEventListener("focusout", () => { if (!this.pinned) this.hide(); });
+      this.grid.addEventListener("click", (e) => this.toggle(cellOf(e)));
+      this.grid.addEventListener("keydown", (e) => {
+        const c = cellOf(e);
+        if (c && (e.key === "Enter" || e.key === " ")) { e.preventDefault(); this.toggle(c); }
+      });
+      // a pinned card closes with Escape or a click anywhere outside it and its cell
+      document.addEventListener("keydown", (e) => { if (e.key === "Escape" && this.pinned) { const c = this.pinned; this.unpin(); c.focus(); } });
+      document.addEventListener("pointerdown", (e) => {
+        if (this.pinned && !this.card.contains(e.target) && !this.pinned.contains(e.target)) this.unpin();
       });
       this.clear(opts.empty);
+    }
+
+    toggle(c) {
+      if (!c || this.pinned === c) { this.unpin(); return; }
+      this.unpin();
+      this.show(c);
+      this.pinned = c;
+      c.setAttribute("aria-expanded", "true");
+      this.card.classList.add("fd-pinned");
+    }
+
+    unpin() {
+      if (this.pinned) this.pinned.setAttribute("aria-expanded", "false");
+      this.pinned = null;
+      this.card.classList.remove("fd-pinned");
+      this.hide();
     }
 
     clear(message) {
@@ -83,8 +125,7 @@
       this.grid.replaceChildren();
       this.empty.hidden = false;
       if (message) this.empty.textContent = message;
-      this.pinned = null;
-      this.hide();
+      this.unpin();
       this.applied = 0;
       this.setStatus("idle", "");
       this.stats.replaceChildren();
@@ -105,6 +146,7 @@
       this.done = null;
       this.empty.hidden = true;
       this.root.classList.toggle("fd-ar", this.mode === "ar");
+      this.root.classList.remove("fd-is-stopped");
       this.setStatus("running", this.mode === "ar" ? "AR baseline · one token per forward" : "block diffusion");
       this.renderStats();
     }
@@ -116,7 +158,7 @@
     renderStats() {
       const items = [["NFE", String(this.nfe)], ["steps", String(this.steps)]];
       if (this.mode === "diffusion") {
-        items.push(["block", this.block >= 0 ? String(this.block) : "–"]);
+        items.push(["block", this.block >= 0 ? String(this.block + 1) : "–"]);
         items.push(["sub-block", this.sub >= 0 ? `${this.sub + 1}/${Math.round(this.bs / this.sbs)}` : "–"]);
       }
       items.push(["tokens", `${this.tokens}/${this.maxNew}`]);
@@ -142,7 +184,7 @@
       // only blocks that hold answer positions get a row (also bounds the DOM for hostile traces)
       if (b < 0 || (b + 1) * this.bs <= this.plen || b * this.bs >= this.plen + this.maxNew) return undefined;
       const row = el("div", "fd-block");
-      const label = el("div", "fd-block-label", `block ${b}`);
+      const label = el("div", "fd-block-label", `block ${b + 1}`);
       const body = el("div", "fd-block-body");
       row.append(label, body);
       const subs = [];
@@ -169,6 +211,10 @@
           cell.classList.add("fd-masked");
           tok.textContent = "▒▒";
           cell.dataset.pos = String(pos);
+          cell.tabIndex = 0;
+          cell.setAttribute("role", "button");
+          cell.setAttribute("aria-expanded", "false");
+          cell.setAttribute("aria-label", `answer token ${pos + 1}: masked`);
           const bar = el("span", "fd-bar");
           cell.append(bar);
           this.cells.set(pos, { el: cell, tok, bar, pos, block: b, col, committed: false, cands: new Map(), best: null });
@@ -219,6 +265,7 @@
         if (prev) { prev.conf = Math.max(prev.conf, conf); prev.last = ev.nfe; prev.n += 1; }
         else c.cands.set(id, { id, text, conf, first: ev.nfe, last: ev.nfe, n: 1 });
         c.best = { id, text, conf };
+        c.el.setAttribute("aria-label", `answer token ${pos + 1}: masked, best guess ${visible(text)} (${fmt(conf)})`);
         c.bar.style.width = `${Math.round(conf * 100)}%`;
         c.bar.style.background = confColour(conf, 0.9);
       }
@@ -230,6 +277,7 @@
         e.classList.remove("fd-masked");
         e.classList.add("fd-done", "fd-fresh");
         c.tok.textContent = visible(text);
+        e.setAttribute("aria-label", `answer token ${pos + 1}: ${visible(text)}, confidence ${fmt(conf)}, committed at forward ${ev.nfe}`);
         c.bar.remove();
         e.style.background = confColour(conf, 0.32);
         e.style.setProperty("--fd-group", `hsl(${hue}, 70%, 55%)`);
@@ -267,8 +315,10 @@
       this.tokens = kept;
       if (summary) {
         this.done = summary;
-        this.setStatus("done", `${summary.stop_reason} · ${fmt(summary.tokens_per_second, 1)} tok/s engine · ` +
-          `${summary.nfe} forwards · ${fmt(summary.tokens_per_forward)} tokens/forward`);
+        const stopped = summary.stop_reason === "cancelled";
+        this.root.classList.toggle("fd-is-stopped", stopped);
+        this.setStatus(stopped ? "stopped" : "done", `${stopped ? "Stop pressed: the answer was cut off" : String(summary.stop_reason).replace(/_/g, " ")} · ` +
+          `${fmt(summary.tokens_per_second, 1)} tok/s engine · ${summary.nfe} forwards · ${fmt(summary.tokens_per_forward)} tokens/forward`);
       } else if (!this.done) {
         this.done = { stop_reason: "done" };
         this.setStatus("done", "finished");
@@ -297,7 +347,8 @@
         card.append(title);
         if (c.best) card.append(el("div", null, `best guess so far: ${visible(c.best.text)} (${fmt(c.best.conf, 3)})`));
       }
-      card.append(el("div", "fd-pop-dim", `answer position ${c.pos} · absolute ${this.plen + c.pos} · block ${c.block}, column ${c.col}, sub-block ${Math.floor(c.col / this.sbs)}`));
+      card.append(el("div", "fd-pop-dim", `answer token ${c.pos + 1} · sequence position ${this.plen + c.pos + 1} · block ${c.block + 1}, ` +
+        `sub-block ${Math.floor(c.col / this.sbs) + 1}, column ${c.col + 1}`));
       const cands = [...c.cands.values()].sort((a, b) => b.conf - a.conf).slice(0, 8);
       if (cands.length) {
         card.append(el("div", "fd-pop-sub", "candidates seen while masked (best confidence · forwards)"));
@@ -325,6 +376,7 @@
 
     hide() {
       this.card.hidden = true;
+      this.card.classList.remove("fd-pinned");
       for (const x of this.grid.querySelectorAll(".fd-same")) x.classList.remove("fd-same");
     }
   }
@@ -404,7 +456,7 @@
       this.i = 0;
       this.playing = false;
       this.trace = null;
-      this.note = el("div", "fd-pop-dim fd-player-note", "1× = the recorded engine speed");
+      this.note = el("div", "fd-pop-dim fd-player-note", "1× = the recorded engine speed; 0.1× plays ten times slower, every pause included");
       root.append(this.note);
     }
 
@@ -416,9 +468,10 @@
       this.trace = t;
       this.events = t.events;
       this.scrub.max = String(this.events.length);
-      this.r.reset(t.header);  // a new trace: never continue from the previous one's position
+      this.r.reset(t.header);  // a new trace starts at the beginning: never the previous one's position
       this.i = 0;
-      this.seek(this.events.length);
+      this.seek(0);
+      this.r.setStatus("ready", `${this.events.length} events · press ▶ to replay, or step with ▶|`);
     }
 
     seek(k) {
@@ -451,9 +504,7 @@
         this.clock += ((now - this.last) / 1000) * speed;
         this.last = now;
         let k = this.i;
-        while (k < this.events.length && this.events[k].t <= this.clock) k++;
-        // never stall on a long gap: at most 2 s of wall time between forwards
-        if (k === this.i && k < this.events.length && this.events[k].t - this.clock > 2 * speed) this.clock = this.events[k].t;
+        while (k < this.events.length && this.events[k].t <= this.clock) k++;  // real time × speed, no skipping
         if (k !== this.i) this.seek(k);
         if (this.i >= this.events.length) { this.pause(); return; }
         this.raf = requestAnimationFrame(tick);
@@ -472,5 +523,21 @@
     }
   }
 
-  window.FDStudio = { Renderer, Live, Player, confColour, visible };
+  /* ------------------------------------------------------------------ plots in tabs
+   * A plotly figure drawn inside a hidden tab gets plotly's default width (~700 px) and keeps it until the window
+   * resizes. When a plot's box changes size (its tab is shown, a new figure arrives), tell plotly to refit. */
+  const fitPlots = () => window.dispatchEvent(new Event("resize"));
+  let fitTimer = null;
+  const plotBoxes = new ResizeObserver(() => { clearTimeout(fitTimer); fitTimer = setTimeout(fitPlots, 60); });
+  const watchPlots = () => {
+    for (const box of document.querySelectorAll("#fd-heatmap, #fd-sweep-plot, .js-plotly-plot")) {
+      if (!box.dataset.fdWatched) { box.dataset.fdWatched = "1"; plotBoxes.observe(box); }
+    }
+  };
+  new MutationObserver(watchPlots).observe(document.documentElement, { childList: true, subtree: true });
+  document.addEventListener("click", (e) => {
+    if (e.target.closest && e.target.closest("[role=tab]")) for (const ms of [50, 300]) setTimeout(fitPlots, ms);
+  });
+
+  window.FDStudio = { Renderer, Live, Player, confColour, visible, fitPlots };
 })();

@@ -8,7 +8,9 @@ from pathlib import Path
 import pytest
 
 from app import plots, render
-from app.settings import divisors, fit_sub_block, to_config
+from app.card import front_matter, measured_for
+from app.settings import BLOCK_SIZES, MAX_NEW_TOKENS, divisors, fit_sub_block, to_config
+from app.traces import settings_label
 from app.stream import cancel_event, decode_stream, release, request_stop
 from app.traces import MAX_TRACE_BYTES, TraceError, parse_trace
 from conftest_app import QUICK
@@ -26,10 +28,13 @@ def turn(client, server):
 
 
 # ---------------------------------------------------------------- API
-def test_api_lists_named_endpoints_only(client):
+def test_api_lists_named_endpoints_only_with_types(client):
     api = client.view_api(return_format="dict", print_info=False)
-    assert {"/generate", "/race", "/sweep", "/check_trace", "/info"} <= set(api["named_endpoints"])
+    assert set(api["named_endpoints"]) == {"/generate", "/race", "/sweep", "/check_trace", "/info"}
     assert not api["unnamed_endpoints"]  # UI plumbing is private
+    for name, ep in api["named_endpoints"].items():  # every output has a type, not "Any"
+        assert ep["returns"] and all(r["python_type"]["type"] != "Any" for r in ep["returns"]), name
+    assert api["named_endpoints"]["/sweep"]["returns"][0]["type"]["items"]["properties"]["tokens_per_second_min"]
 
 
 def test_chat_turn_returns_text_and_trace(turn, server):
@@ -58,6 +63,8 @@ def test_multi_turn_history_is_in_the_prompt(client, server, turn):
     ({"threshold": 0}, "threshold", "(0, 1]"),
     ({"cache": "huge"}, "cache", "none, block, dual"),
     ({"blocksize": 32}, "blocksize", "unknown setting"),
+    ({"block_size": 12, "sub_block_size": 4}, "block_size", "one of 8, 16, 32, 64"),  # the UI's choices
+    ({"max_new_tokens": 4096}, "max_new_tokens", f"[1, {MAX_NEW_TOKENS}]"),  # the UI's slider range
 ])
 def test_bad_settings_give_a_clear_error_naming_the_field(client, settings, field, words):
     with pytest.raises(Exception) as err:
@@ -77,19 +84,124 @@ def test_race_and_sweep(client, server):
         with pytest.raises(Exception, match="mode"):
             client.predict("Hi", {"max_new_tokens": 8}, api_name="/race")
         pytest.skip("no Fast-dLLM v2 adapter: race and sweep need block diffusion")
-    race = client.predict("Hi", {"max_new_tokens": 16}, api_name="/race")
-    assert race["order"].startswith("sequential")
+    race = client.predict("Hi", {"max_new_tokens": 8}, 2, api_name="/race")
+    assert race["order"].startswith("interleaved") and race["repeats"] == 2
+    assert [len(race["runs"][m]) for m in ("diffusion", "ar")] == [2, 2]
     assert race["ar"]["tokens_per_forward"] == pytest.approx(1.0)
-    assert race["speedup"] == pytest.approx(race["diffusion"]["tokens_per_second"] / race["ar"]["tokens_per_second"])
-    rows = client.predict("Hi", [0.5, 1.0], [16], {"max_new_tokens": 16}, api_name="/sweep")
-    assert [(r["threshold"], r["block_size"]) for r in rows] == [(0.5, 16), (1.0, 16)]
-    assert all(r["tokens_per_second"] > 0 and r["nfe"] > 0 for r in rows)
+    ratios = sorted(d["tokens_per_second"] / a["tokens_per_second"] for d, a in zip(*race["runs"].values()))
+    assert race["speedup"] == pytest.approx(sum(ratios) / 2)  # the median of two
+    assert race["speedup_range"] == pytest.approx(ratios)
+    rows = client.predict("Hi", [0.5, 1.0], [16], {"max_new_tokens": 8}, 2, api_name="/sweep")
+    assert [(r["threshold"], r["block_size"], r["runs"]) for r in rows] == [(0.5, 16, 2), (1.0, 16, 2)]
+    for r in rows:
+        assert 0 < r["tokens_per_second_min"] <= r["tokens_per_second"] <= r["tokens_per_second_max"] and r["nfe"] > 0
+    assert client.predict("Hi", {"max_new_tokens": 4}, api_name="/race")["repeats"] == 1  # repeats is optional
+    with pytest.raises(Exception, match=r"repeats: must be an integer in \[1, 5\]"):
+        client.predict("Hi", {"max_new_tokens": 8}, 9, api_name="/race")
+
+
+def test_one_rule_set_for_ui_and_api(server):
+    """The UI's widgets go through the same to_config as the API: the same block sizes and token budget."""
+    from app.settings import settings_from_widgets
+    from engine import ConfigError
+
+    eng = server.engine
+    for bs in BLOCK_SIZES:
+        assert to_config(eng, {"block_size": bs, "sub_block_size": 8 if bs >= 8 else bs})[0].block_size == bs
+    widget_values = ["diffusion", 12.0, 4.0, 0.9, "threshold", 1.0, "dual", 64.0, 0.0, 1.0, -1, ""]
+    with pytest.raises(ConfigError, match="block_size"):
+        to_config(eng, settings_from_widgets(*widget_values))
+    assert to_config(eng, {"max_new_tokens": float(MAX_NEW_TOKENS)})[0].max_new_tokens == MAX_NEW_TOKENS
 
 
 def test_info(client, server):
     info = client.predict(api_name="/info")
     assert info["banner"] == server.engine.lm.banner()
     assert info["can_diffuse"] == server.engine.can_diffuse
+    assert info["limits"] == {"block_sizes": list(BLOCK_SIZES), "max_new_tokens": MAX_NEW_TOKENS, "repeats": 5}
+
+
+# ---------------------------------------------------------------- what the page says about the model and the speed
+def test_model_card_numbers_are_the_measured_ones(engine):
+    """The banner/presets read the card's front matter; it must match the benchmark file it cites, and apply only
+    to the adapter it describes."""
+    m = measured_for(engine.lm.source.adapter)
+    assert m is not None
+    results = json.loads((ROOT / m.source).read_text())["results"]
+    ar = next(r for r in results if r["mode"] == "ar")
+    assert m.ar_accuracy == pytest.approx(ar["accuracy"], abs=5e-4)
+    diff = {r["threshold"]: r for r in results if r["mode"] == "diffusion"}
+    assert set(m.by_threshold) == set(diff)
+    for th, (acc, tpf) in m.by_threshold.items():
+        assert acc == pytest.approx(diff[th]["accuracy"], abs=5e-4)
+        assert tpf == pytest.approx(diff[th]["long_tokens_per_forward"], abs=5e-4)
+    assert str(front_matter()["adapter_step"]) == json.loads((ROOT / m.source).read_text())["environment"][
+        "adapter_meta"]["step"]
+
+
+def test_card_numbers_are_not_lent_to_another_adapter(tmp_path):
+    import torch
+    from safetensors.torch import save_file
+
+    other = tmp_path / "other.safetensors"
+    save_file({"x": torch.zeros(1)}, str(other), metadata={"format": "fastdllm-adapter-v1", "step": "7"})
+    assert measured_for(other) is None and measured_for(None) is None
+
+
+def test_banner_and_presets_say_what_was_measured(engine):
+    m = measured_for(engine.lm.source.adapter)
+    banner = render.banner_html(engine.lm, True, "t", m, 0.9)
+    acc, tpf = m.at(0.9)
+    assert f"{tpf:.2f} tokens per forward" in banner and f"{100 * acc / m.ar_accuracy:.0f}% of its AR base" in banner
+    assert "arxiv.org/abs/2509.26328" in banner
+    from app.settings import PRESETS
+
+    assert [p["settings"]["threshold"] for p in PRESETS] == [1.0, 0.9, 0.7]
+    fast = render.presets_html(PRESETS, m, "threshold", 0.7)
+    assert "Fast" in fast and f"{m.at(0.7)[1]:.2f} tokens/forward" in fast
+    assert "Custom threshold 0.85" in render.presets_html(PRESETS, m, "threshold", 0.85)
+
+
+def test_forwards_are_worded_the_right_way_round():
+    def s(nfe: int, tps: float) -> Summary:
+        return Summary(answer_tokens=17, nfe=nfe, tokens_per_forward=17 / nfe, seconds=1.0, tokens_per_second=tps,
+                       ttft=0.1, stop_reason="stop_token", text="x", token_ids=[])
+
+    more = render.race_html([s(18, 3.0)], [s(17, 6.0)], "done")
+    assert "1.06×</b> more forwards than AR (18 vs 17)" in more and "fewer" not in more
+    fewer = render.race_html([s(9, 6.0)], [s(18, 3.0)], "done")
+    assert "2.00×</b> fewer forwards than AR (9 vs 18)" in fewer
+    spread = render.race_html([s(9, 6.0), s(9, 2.0), s(9, 4.0)], [s(18, 2.0)] * 3, "done")
+    assert "<b>2.00×</b> tokens/s (range 1.00–3.00× over 3 interleaved pairs)" in spread
+    assert "2.0–6.0" in spread  # the diffusion tokens/s range
+
+
+def test_stopped_answers_say_so():
+    shown = render.chat_display([{"role": "user", "content": "hi"},
+                                 {"role": "assistant", "content": "partial", "stopped": True}])
+    assert shown[1]["content"].startswith("partial") and "stopped" in shown[1]["content"]
+    assert 'data-k="stop"' in render.meters_html(_summary("cancelled")) and ">stopped<" in \
+        render.meters_html(_summary("cancelled"))
+
+
+def test_replay_labels_name_every_differing_setting():
+    from engine import DecodeConfig
+
+    base = DecodeConfig().to_dict()
+    assert settings_label(base) == "diffusion · block 32/8 · threshold 0.9"
+    assert settings_label({**base, "cache": "block"}) == "diffusion · block 32/8 · threshold 0.9 · cache block"
+    assert settings_label({**base, "mode": "ar", "cache": "block", "temperature": 0.5}) == "ar · temperature 0.5"
+
+
+def test_plots_start_at_zero_and_count_from_one():
+    rows = [{"threshold": t, "block_size": 32, "sub_block_size": 8, "runs": 2, "tokens_per_second": 5.0 + t,
+             "tokens_per_second_min": 4.0, "tokens_per_second_max": 7.0, "tokens_per_forward": 1.0 + t, "nfe": 10,
+             "answer_tokens": 12, "seconds": 1.0, "stop_reason": "stop_token"} for t in (0.5, 0.9)]
+    fig = plots.sweep_figure(rows)
+    assert fig.layout.yaxis.rangemode == "tozero" and fig.layout.yaxis2.rangemode == "tozero"
+    assert list(fig.data[0].error_y.arrayminus) == pytest.approx([1.5, 1.9])
+    heat = plots.heatmap_figure(_xss_trace())
+    assert min(heat.data[0].x) == 1 and min(heat.data[1].x) == 1  # answer token 1 is the first
 
 
 def test_check_trace_endpoint(client, turn):
@@ -176,7 +288,7 @@ def test_server_html_renderers_escape():
         device = type("D", (), {"type": XSS})
 
     s = _summary(XSS)
-    html = [render.banner_html(LM, False), render.meters_html(s, XSS, ar=s, note=XSS), render.race_html(s, s, XSS)]
+    html = [render.banner_html(LM, False), render.meters_html(s, XSS, ar=s, note=XSS), render.race_html([s], [s], XSS)]
     for h in html:
         assert "<img" not in h and "&lt;img" in h
 

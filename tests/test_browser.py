@@ -1,4 +1,5 @@
-"""The studio in headless Chromium: live denoising, replay, heatmap, and a hostile trace upload.
+"""The studio in headless Chromium: the explanation panel and presets, live denoising, the inspector, replay,
+the heatmap after tab switches, Stop's stopped state, clearing, a hostile trace upload, and the phone layout.
 
 Skips only when Playwright or a Chromium binary is missing (`pip install playwright`,
 `apt-get install chromium`). Screenshots go to artifacts/ (git-ignored); with
@@ -42,20 +43,79 @@ pytestmark = pytest.mark.skipif(sync_playwright is None or CHROMIUM is None,
 
 
 @pytest.fixture(scope="module")
-def page():
-    server = studio_server()
+def browser():
     ARTIFACTS.mkdir(exist_ok=True)
     with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
-        pg = browser.new_page(viewport={"width": 1440, "height": 1000})
-        errors: list[str] = []
-        pg.on("pageerror", lambda e: errors.append(str(e)))
-        pg.goto(server.url)
-        pg.wait_for_selector(".fd-live-root .fd-legend", timeout=30_000)
-        pg.errors = errors
-        yield pg
-        browser.close()
-        assert not errors, errors
+        b = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
+        yield b
+        b.close()
+
+
+def _open(browser, width: int, height: int):
+    pg = browser.new_page(viewport={"width": width, "height": height})
+    errors: list[str] = []
+    pg.on("pageerror", lambda e: errors.append(str(e)))
+    pg.goto(studio_server().url)
+    pg.wait_for_selector(".fd-live-root .fd-legend", timeout=30_000)
+    pg.errors = errors
+    return pg
+
+
+@pytest.fixture(scope="module")
+def page(browser):
+    pg = _open(browser, 1440, 1000)
+    yield pg
+    assert not pg.errors, pg.errors
+
+
+def _settings(pg, **values: float) -> None:
+    """Open the settings accordion (once) and type values into its sliders' number boxes."""
+    if not pg.locator("#fd-max-new").is_visible():
+        pg.click("#fd-settings button, #fd-settings .label-wrap")
+    for elem, v in values.items():
+        box = pg.locator(f"#fd-{elem} input[type=number]")
+        box.fill(str(v))
+        box.press("Enter")
+
+
+def _send(pg, text: str) -> None:
+    pg.fill("#fd-msg textarea", text)
+    pg.keyboard.press("Enter")
+
+
+def _messages(pg) -> int:
+    return pg.locator("#fd-chat .message-row").count()
+
+
+def test_explanation_panel_banner_and_presets(page):
+    from app.card import measured_for
+
+    pg = page
+    panel = pg.locator("#fd-explain")
+    assert panel.is_visible()
+    text = panel.inner_text()
+    for words in ("Blocks", "Sub-blocks", "threshold", "block cache", "dual cache", "NFE", "Steps",
+                  "Tokens per forward"):
+        assert words in text, words
+    assert panel.locator("a[href='https://arxiv.org/abs/2509.26328']").count() == 1
+    # the banner's numbers are the model card's, for the adapter that is loaded
+    m = measured_for(studio_server().engine.lm.source.adapter)
+    acc, tpf = m.at(0.9)
+    honest = pg.locator("#fd-honest").inner_text()
+    assert f"{tpf:.2f} tokens per forward" in honest and f"{100 * acc / m.ar_accuracy:.0f}%" in honest, honest
+    # a preset sets the threshold and says what to expect, with the measured numbers at that threshold
+    _settings(pg)
+    threshold = pg.locator("#fd-threshold input[type=number]")
+    assert float(threshold.input_value()) == 0.9
+    assert "Paper default" in pg.locator("#fd-presets").inner_text()
+    pg.click("#fd-preset-fast")
+    pg.wait_for_function("document.querySelector('#fd-presets').innerText.includes('Fast')")
+    assert float(threshold.input_value()) == 0.7
+    info = pg.locator("#fd-presets").inner_text()
+    assert f"{m.at(0.7)[1]:.2f} tokens/forward" in info and "fewer forwards" in info, info
+    pg.click("#fd-preset-paper")
+    pg.wait_for_function("document.querySelector('#fd-presets').innerText.includes('Paper default')")
+    assert float(threshold.input_value()) == 0.9
 
 
 def _counts(pg, scope: str) -> tuple[int, int]:
@@ -64,10 +124,7 @@ def _counts(pg, scope: str) -> tuple[int, int]:
 
 def test_live_view_denoises_step_by_step(page):
     pg = page
-    pg.click("#fd-settings button, #fd-settings .label-wrap")  # open the settings accordion
-    box = pg.locator("#fd-max-new input[type=number]")
-    box.fill(str(MAX_NEW))
-    box.press("Enter")
+    _settings(pg, **{"max-new": MAX_NEW})
     # record (masked, committed) cell counts at every DOM change of the live view
     pg.evaluate("""() => {
       const root = document.querySelector('#fd-live .fd-live-root'), seen = window.__fdCounts = [];
@@ -77,8 +134,7 @@ def test_live_view_denoises_step_by_step(page):
         if (!last || last[0] !== c[0] || last[1] !== c[1]) seen.push(c);
       }).observe(root, {subtree: true, childList: true, attributes: true, attributeFilter: ['class']});
     }""")
-    pg.fill("#fd-msg textarea", "Write a haiku about the sea.")
-    pg.keyboard.press("Enter")
+    _send(pg, "Write a haiku about the sea.")
     pg.wait_for_selector("#fd-live .fd-badge-done", timeout=240_000)
     samples = pg.evaluate("window.__fdCounts")
     masked_then_done = [s for s in samples if s[0] > 0 and s[1] > 0]
@@ -110,10 +166,38 @@ def test_live_view_denoises_step_by_step(page):
     assert gap[0] > 0 and gap[1] == gap[0], gap
 
 
+def test_pinned_card_closes_with_escape_and_click_outside(page):
+    pg = page
+    card = pg.locator("#fd-live .fd-card-pop")
+    cell = pg.locator("#fd-live .fd-cell.fd-done").first
+    assert cell.get_attribute("tabindex") == "0" and "confidence" in cell.get_attribute("aria-label")
+    cell.click()
+    card.wait_for(state="visible")
+    assert cell.get_attribute("aria-expanded") == "true"
+    pg.mouse.move(5, 5)  # a pinned card stays when the pointer leaves
+    assert card.is_visible()
+    pg.keyboard.press("Escape")
+    card.wait_for(state="hidden")
+    assert cell.get_attribute("aria-expanded") == "false"
+    cell.click()
+    card.wait_for(state="visible")
+    pg.locator("#fd-banner").click()  # anywhere outside the card and its cell
+    card.wait_for(state="hidden")
+    # keyboard: focus shows the card, Enter pins it, Escape closes it
+    cell.focus()
+    card.wait_for(state="visible")
+    pg.keyboard.press("Enter")
+    assert cell.get_attribute("aria-expanded") == "true"
+    pg.keyboard.press("Escape")
+    assert cell.get_attribute("aria-expanded") == "false"
+
+
 def test_replay_walks_the_trace(page):
     pg = page
     pg.get_by_role("tab", name="Replay").click()
-    pg.wait_for_selector("#fd-player .fd-cell.fd-done", timeout=20_000)
+    pg.wait_for_selector("#fd-player .fd-badge-ready", timeout=20_000)
+    assert _counts(pg, "#fd-player")[1] == 0  # a newly loaded trace starts at the beginning
+    pg.locator("#fd-player .fd-btn", has_text="⇥").click()
     total = _counts(pg, "#fd-player")[1]
     assert total > 0
     pg.locator("#fd-player .fd-btn", has_text="⇤").click()
@@ -140,12 +224,88 @@ def test_replay_walks_the_trace(page):
     assert len(trace.events) == n and trace.summary is not None
 
 
-def test_heatmap_tab(page):
-    pg = page
-    pg.get_by_role("tab", name="Heatmap").click()
+def _heatmap_fill(pg) -> float:
+    """The plot's drawn width over its panel's width (1.0 = fills it)."""
     pg.wait_for_selector("#fd-heatmap .js-plotly-plot .heatmaplayer, #fd-heatmap .js-plotly-plot .hm",
                          timeout=30_000)
+    pg.wait_for_timeout(600)  # the refit after a tab switch is debounced
+    return pg.evaluate("""() => {
+      const box = document.querySelector('#fd-heatmap'), svg = box.querySelector('.js-plotly-plot .main-svg');
+      return svg.getBoundingClientRect().width / box.getBoundingClientRect().width;
+    }""")
+
+
+def test_heatmap_fills_its_panel_after_tab_switches(page):
+    """A figure that arrives while its (already shown once) tab is hidden is drawn at plotly's default 700 px;
+    showing the tab again must refit it to the panel."""
+    pg = page
+    pg.get_by_role("tab", name="Heatmap").click()
+    assert _heatmap_fill(pg) > 0.9
+    pg.get_by_role("tab", name="Replay").click()
+    _settings(pg, **{"max-new": 8})
+    _send(pg, "Hi")
+    pg.wait_for_selector("#fd-live .fd-badge-running", timeout=60_000)
+    pg.wait_for_selector("#fd-live .fd-badge-done", timeout=60_000)
+    pg.wait_for_timeout(500)
+    pg.get_by_role("tab", name="Heatmap").click()
+    assert _heatmap_fill(pg) > 0.9
+    pg.get_by_role("tab", name="Race").click()
+    pg.get_by_role("tab", name="Heatmap").click()
+    assert _heatmap_fill(pg) > 0.9
     pg.locator("#fd-heatmap").screenshot(path=str(ARTIFACTS / "screenshot_heatmap.png"))
+
+
+def test_stop_shows_a_stopped_state(page):
+    pg = page
+    _settings(pg, **{"max-new": 256, "threshold": 1.0})
+    _send(pg, "Count from one to fifty, one number per line.")
+    pg.wait_for_function("document.querySelectorAll('#fd-live .fd-cell.fd-done').length >= 3", timeout=120_000)
+    pg.click("#fd-stop")
+    pg.wait_for_selector("#fd-live .fd-badge-stopped", timeout=60_000)
+    assert pg.locator("#fd-live .fd-badge-done").count() == 0
+    assert "Stop pressed" in pg.locator("#fd-live .fd-status").inner_text()
+    pg.wait_for_function("document.querySelector('#fd-chat').innerText.includes('stopped')", timeout=20_000)
+    assert pg.locator('#fd-meters .fd-card[data-k="stop"] .fd-card-v').inner_text() == "stopped"
+
+
+def test_stopped_race_and_sweep_say_so(page):
+    """A race stopped during its diffusion run says the AR run never started; a stopped sweep keeps its points."""
+    pg = page  # still max 256 tokens at threshold 1.0: long enough to stop mid-run
+    pg.get_by_role("tab", name="Race").click()
+    pg.locator("#fd-race-msg textarea, #fd-race-msg input").first.fill("Count from one to fifty, one per line.")
+    pg.click("#fd-race")
+    pg.wait_for_function("document.querySelectorAll('#fd-race-d .fd-cell.fd-done').length >= 3", timeout=120_000)
+    pg.click("#fd-race-stop")
+    pg.wait_for_function("document.querySelector('#fd-race-meters').innerText.includes('Stopped during the "
+                         "diffusion run')", timeout=60_000)
+    assert pg.locator("#fd-race-d .fd-badge-stopped").count() == 1
+    assert "Not run" in pg.locator("#fd-race-ar").inner_text()
+    pg.get_by_role("tab", name="Sweep").click()
+    pg.locator("#fd-sweep-msg textarea, #fd-sweep-msg input").first.fill("Count from one to fifty, one per line.")
+    pg.click("#fd-sweep")
+    pg.wait_for_function("document.querySelector('#fd-sweep-stop') && !document.querySelector('#fd-sweep-stop')"
+                         ".disabled", timeout=60_000)
+    pg.wait_for_timeout(1500)
+    pg.click("#fd-sweep-stop")
+    pg.wait_for_selector("#fd-sweep-status .fd-stopped-note", timeout=60_000)
+    assert "Stopped after 0 of 4 points" in pg.locator("#fd-sweep-status").inner_text()
+    pg.wait_for_function("!document.querySelector('#fd-sweep').disabled", timeout=30_000)
+    _settings(pg, **{"max-new": 8, "threshold": 0.9})
+
+
+def test_clearing_by_every_control_empties_the_state(page):
+    """Gradio's trash icon and our Clear button both empty the conversation: the next turn starts afresh."""
+    pg = page
+    assert _messages(pg) >= 2  # earlier turns are in the chat
+    for clear in ("#fd-chat button[aria-label='Clear']", "#fd-clear"):
+        pg.locator(clear).first.click()
+        pg.wait_for_function("!document.querySelector('#fd-chat .message-row')", timeout=10_000)
+        _send(pg, "Hi")
+        pg.wait_for_selector("#fd-live .fd-badge-done", timeout=60_000)
+        pg.wait_for_function("document.querySelectorAll('#fd-chat .message-row').length >= 2")
+        assert _messages(pg) == 2, clear  # the cleared turns did not come back
+        prompt_len = pg.evaluate("document.querySelector('#fd-live .fd-live-root').fdLive.r.head.prompt_len")
+        assert prompt_len < 40, (clear, prompt_len)  # the model saw only the system prompt and "Hi"
 
 
 def test_hostile_trace_upload_is_rendered_as_text(page, tmp_path):
@@ -168,6 +328,9 @@ def test_hostile_trace_upload_is_rendered_as_text(page, tmp_path):
         pg.get_by_role("button", name="Upload trace").click()
     fc.value.set_files(str(path))
     try:
+        pg.wait_for_function("document.querySelector('#fd-player .fd-pos').textContent.startsWith('0/3 ')",
+                             timeout=30_000)
+        pg.locator("#fd-player .fd-btn", has_text="⇥").click()
         pg.wait_for_function("[...document.querySelectorAll('#fd-player .fd-tok')]"
                              ".some(e => e.textContent.includes('onerror'))", timeout=30_000)
     finally:
@@ -181,3 +344,24 @@ def test_hostile_trace_upload_is_rendered_as_text(page, tmp_path):
         pg.get_by_role("button", name="Upload trace").click()
     fc.value.set_files(str(bad))
     pg.get_by_text("Trace rejected").first.wait_for(timeout=20_000)
+
+
+def test_phone_layout_shows_the_live_view_while_streaming(browser):
+    """390 px wide: the live view starts within the first two screens and the page does not scroll sideways."""
+    pg = _open(browser, 390, 844)
+    try:
+        pg.locator("#fd-chat button[aria-label^='Select example 2']").click()  # an example sends itself
+        pg.wait_for_selector("#fd-live .fd-badge-running", timeout=60_000)
+        assert "haiku" in pg.locator("#fd-chat").inner_text()
+        top = pg.evaluate("document.querySelector('#fd-live').getBoundingClientRect().top + window.scrollY")
+        assert top < 2 * 844, top
+        assert pg.evaluate("document.documentElement.scrollWidth") <= 391
+        grid = pg.evaluate("(() => { const g = document.querySelector('#fd-live .fd-grid'); "
+                           "return [g.scrollWidth, g.clientWidth]; })()")
+        assert grid[0] <= grid[1] + 1, grid  # block rows wrap instead of overflowing
+        pg.click("#fd-stop")
+        pg.wait_for_selector("#fd-live .fd-badge-stopped, #fd-live .fd-badge-done", timeout=60_000)
+        pg.screenshot(path=str(ARTIFACTS / "screenshot_phone.png"), full_page=False)
+    finally:
+        pg.close()
+    assert not pg.errors, pg.errors

@@ -18,12 +18,13 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import httpx
 import pytest
 
 from app import render
-from app.settings import BLOCK_SIZES, SETTING_KEYS, divisors
+from app.settings import BLOCK_SIZES, MAX_NEW_TOKENS, SETTING_KEYS, divisors
 from app.traces import MAX_TRACE_BYTES
 from conftest_app import free_port
 from engine import Trace
@@ -100,8 +101,13 @@ def spy(server, monkeypatch):
 
 def ui_handler(server, name: str):
     """A UI event handler of the running app, called as Gradio calls it (the studio's UI endpoints are private)."""
-    [fn] = [f.fn for f in server.demo.fns.values() if f.name == name]
+    [fn] = {f.fn for f in server.demo.fns.values() if f.name == name}  # one handler, maybe on several events
     return fn
+
+
+def session(key: str) -> SimpleNamespace:
+    """What the UI handlers read from their gr.Request: the browser session's key (Stop finds a run by it)."""
+    return SimpleNamespace(session_hash=key)
 
 
 def widget_values(mode: str, **over) -> list:
@@ -271,8 +277,8 @@ def test_client_that_disconnects_stops_the_engine(server, mode, spy):
 def test_closing_a_ui_run_stops_the_engine(server, mode, spy):
     """The chat handler is a generator; Gradio closes it when the tab goes away: the engine stops with it."""
     chat_ui = ui_handler(server, "chat_ui")
-    gen = chat_ui("tab-closed", "Count from one to fifty.", [], [], *widget_values(mode, max_new_tokens=64,
-                                                                                    threshold=1.0))
+    gen = chat_ui(session("tab-closed"), "Count from one to fifty.", [], [],
+                  *widget_values(mode, max_new_tokens=64, threshold=1.0))
     for frame in gen:
         if spy and spy[-1]["events"] >= 2:
             break
@@ -281,7 +287,7 @@ def test_closing_a_ui_run_stops_the_engine(server, mode, spy):
     res = spy[-1]["result"]
     assert res.summary.stop_reason == "cancelled" and spy[-1]["after_cancel"] <= 1
     if mode == "diffusion":  # the sweep's runs stream empty frames so that closing works the same way
-        gen = ui_handler(server, "sweep_ui")("tab-closed", "Count from one to fifty.", [1.0], [32],
+        gen = ui_handler(server, "sweep_ui")(session("tab-closed"), "Count from one to fifty.", [1.0], [32], 1,
                                              *widget_values(mode, max_new_tokens=64))
         runs = len(spy)
         for frame in gen:
@@ -341,7 +347,8 @@ BAD_API = [
     ("hi", [{"role": "user", "content": "y" * 19_999}] * 11, {}, "history: has more than 200000 characters"),
     ("hi", [], "fast please", "settings: must be an object"),
     ("hi", [], {"max_new_tokens": "8"}, "max_new_tokens: must be an integer"),
-    ("hi", [], {"max_new_tokens": 10**9}, "max_new_tokens: must be an integer in [1, 4096]"),
+    ("hi", [], {"max_new_tokens": 10**9}, f"max_new_tokens: must be an integer in [1, {MAX_NEW_TOKENS}]"),
+    ("hi", [], {"block_size": 12, "sub_block_size": 4}, "block_size: must be one of 8, 16, 32, 64"),
     ("hi", [], {"max_new_tokens": -1}, "max_new_tokens: must be an integer"),
     ("hi", [], {"threshold": "high"}, "threshold: must be a number"),
     ("hi", [], {"temperature": None}, "temperature: must be a number"),
@@ -429,10 +436,10 @@ def test_bad_input_through_the_ui_keeps_the_conversation(server, mode, tmp_path)
            ("日本語の文章。" * 2_800, {}, "the model's context is")]
     for message, over, words in bad:
         with pytest.raises(gr.Error) as err:
-            next(chat_ui("ui-bad", message, conv, [], *widget_values(mode, **over)))
+            next(chat_ui(session("ui-bad"), message, conv, [], *widget_values(mode, **over)))
         assert words in err.value.message, (words, err.value.message)
     assert json.dumps(conv) == kept  # the conversation is untouched: the next turn continues it
-    last = list(chat_ui("ui-bad", "Say hello.", conv, [], *widget_values(mode)))[-1]
+    last = list(chat_ui(session("ui-bad"), "Say hello.", conv, [], *widget_values(mode)))[-1]
     [new_conv] = [v for k, v in last.items() if isinstance(k, gr.State) and v and "role" in v[0]]
     assert new_conv[:2] == conv and new_conv[2]["content"] == "Say hello." and len(new_conv) == 4
 
@@ -501,7 +508,8 @@ def test_engine_fault_mid_generation_is_reported_and_the_next_request_works(serv
         client.predict("Count to ten.", [], {"mode": mode, "max_new_tokens": 8}, api_name="/generate")
     conv = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"}]
     with pytest.raises(gr.Error, match="decoding failed: injected engine fault"):
-        list(ui_handler(server, "chat_ui")("fault", "Count to ten.", conv, [], *widget_values(mode, max_new_tokens=8)))
+        list(ui_handler(server, "chat_ui")(session("fault"), "Count to ten.", conv, [],
+                                           *widget_values(mode, max_new_tokens=8)))
     assert len(conv) == 2 and not eng.lock.locked()
     monkeypatch.setattr(eng, "generate_ids", real)
     text, trace_json = client.predict("Say hello.", [], {"mode": mode, "max_new_tokens": 4}, api_name="/generate")

@@ -5,6 +5,10 @@ Typical run (CPU, the bundled SmolLM2-135M base):
   python -m training train --run runs/train --minutes 30
   python -m training export --run runs/train
   python -m training eval --out runs/eval.json
+
+Data at scale and the GPU block (runbook: training/README.md):
+  python -m training selfinstruct --out runs/si --magpie 20000
+  python -m training gpu {prepare,weights,data,train,unpack}    # and `weights split|join` for big files
 """
 from __future__ import annotations
 
@@ -50,7 +54,7 @@ def cmd_export(a: argparse.Namespace) -> None:
 
     print(export(a.run, a.out, checkpoint=a.checkpoint))
     if a.merge_to is not None:
-        print(f"merged checkpoint: {merge(a.out, a.base, a.merge_to)}")
+        print(f"merged checkpoint: {merge(a.out, a.base, a.merge_to, a.merge_dtype)}")
 
 
 def cmd_eval(a: argparse.Namespace) -> None:
@@ -73,6 +77,75 @@ def cmd_ablation(a: argparse.Namespace) -> None:
     from .ablation import markdown
 
     print(markdown(rep["rows"]))
+
+
+def _selfinstruct_config(a: argparse.Namespace, out: Path):
+    from .selfinstruct import SelfInstructConfig
+
+    return SelfInstructConfig(
+        out=out, prompts=None if str(a.prompts) == "none" else a.prompts, limit_prompts=a.limit_prompts,
+        magpie=a.magpie, magpie_batch=a.magpie_batch, magpie_max_new_tokens=a.magpie_max_new_tokens,
+        magpie_temperature=a.magpie_temperature, magpie_top_p=a.magpie_top_p, answer_batch=a.batch_size,
+        max_new_tokens=a.max_new_tokens, shard_examples=a.shard_examples, time_budget_s=a.time_budget,
+        model=a.model, seed=a.seed).validate()
+
+
+def cmd_selfinstruct(a: argparse.Namespace) -> None:
+    import json
+
+    from .selfinstruct import run
+
+    _threads(a.threads)
+    m = run(_selfinstruct_config(a, a.out))
+    print(json.dumps({k: m[k] for k in ("counts", "examples", "answer_tokens", "truncated")} | {"run": m["runs"][-1]}))
+
+
+def cmd_weights(a: argparse.Namespace) -> None:
+    from . import weights
+
+    if a.action == "split":
+        print(weights.split(a.path, a.out_dir, a.parts).to_json())
+    else:
+        print(weights.join(a.path, a.dest, a.sha256))
+
+
+def cmd_gpu(a: argparse.Namespace) -> None:
+    import json
+
+    from . import gpu
+
+    if a.stage == "prepare":
+        rep = gpu.prepare(a.reserve_mib, a.parts)
+    elif a.stage == "weights":
+        rep = gpu.stage_weights(a.out, a.parts_dir)
+    elif a.stage == "data":
+        _threads(a.threads)
+        rep = gpu.stage_data(a.out, _selfinstruct_config(a, a.dir))
+    elif a.stage == "train":
+        extra = a.trainer_args[1:] if a.trainer_args[:1] == ["--"] else a.trainer_args
+        rep = gpu.stage_train(a.out, a.data, a.run, a.minutes, extra)
+    else:
+        rep = {"placed": gpu.unpack(a.src, a.data, a.run)}
+    print(json.dumps(rep, indent=1))
+
+
+def _add_selfinstruct_options(s: argparse.ArgumentParser) -> None:
+    s.add_argument("--prompts", type=Path, default=DATA / "prompts.jsonl",
+                   help='hand-written prompts, JSONL of {"prompt": ...} ("none": Magpie only)')
+    s.add_argument("--limit-prompts", type=int, default=None, help="use only the first N hand-written prompts")
+    s.add_argument("--magpie", type=int, default=0, help="Magpie instructions to have sampled in total (0: none)")
+    s.add_argument("--magpie-batch", type=int, default=256, help="instructions sampled together (one round)")
+    s.add_argument("--magpie-max-new-tokens", type=int, default=96, help="instruction length cap (longer ones are dropped)")
+    s.add_argument("--magpie-temperature", type=float, default=1.0, help="sampling temperature of instructions")
+    s.add_argument("--magpie-top-p", type=float, default=1.0, help="top-p of instructions")
+    s.add_argument("--batch-size", type=int, default=256, help="prompts answered together (greedy AR)")
+    s.add_argument("--max-new-tokens", type=int, default=256, help="answer length cap")
+    s.add_argument("--shard-examples", type=int, default=8192, help="answers per shard file (what a kill can lose)")
+    s.add_argument("--time-budget", type=float, default=None,
+                   help="start no new batch after this many seconds (Magpie sampling: half of it at most)")
+    s.add_argument("--model", default="bundled-base", help="engine model spec of the AR base")
+    s.add_argument("--seed", type=int, default=0, help="seeds the Magpie rounds")
+    s.add_argument("--threads", type=int, default=1, help="torch CPU threads")
 
 
 def parser() -> argparse.ArgumentParser:
@@ -132,8 +205,10 @@ def parser() -> argparse.ArgumentParser:
     e.add_argument("--checkpoint", type=Path, default=None, help="a specific checkpoint file (default: latest)")
     e.add_argument("--out", type=Path, default=ASSETS / "fastdllm_adapter.safetensors", help="adapter file")
     e.add_argument("--merge-to", type=Path, default=None,
-                   help="also write base + adapter merged as a checkpoint directory (for models other than the "
-                        "bundled base, which the engine loads with --model DIR)")
+                   help="also write base + adapter merged as a Fast_dLLM_v2 checkpoint directory (model_type "
+                        "Fast_dLLM_Qwen, Qwen2 names, bd_size, |<MASK>| in the tokenizer; --model DIR loads it)")
+    e.add_argument("--merge-dtype", choices=("bfloat16", "float32", "float16"), default="bfloat16",
+                   help="dtype of the merged weights (the hub's Fast_dLLM_v2 checkpoints are bfloat16)")
     e.add_argument("--base", default="bundled-base", help="engine model spec of the base, for --merge-to")
     e.set_defaults(func=cmd_export)
 
@@ -162,6 +237,47 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--out", type=Path, default=Path("bench/results/ablation"), help="results.json + table.md here")
     b.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     b.set_defaults(func=cmd_ablation)
+
+    si = sub.add_parser("selfinstruct", formatter_class=fmt,
+                        help="Magpie instructions + training prompts, deduped, held out from bench/, answered by the AR base")
+    si.add_argument("--out", type=Path, default=Path("runs/selfinstruct"),
+                    help="data directory (token-id shards + manifest.json); reruns resume and skip done work")
+    _add_selfinstruct_options(si)
+    si.set_defaults(func=cmd_selfinstruct)
+
+    w = sub.add_parser("weights", formatter_class=fmt, help="split a big file into parts (+ parts.json) / join and check them")
+    w.add_argument("action", choices=("split", "join"))
+    w.add_argument("path", type=Path, help="split: the file; join: the directory holding parts.json and the parts")
+    w.add_argument("--out-dir", type=Path, default=Path(".gl/gguf"), help="split: where the parts go")
+    w.add_argument("--parts", type=int, default=2, help="split: number of parts")
+    w.add_argument("--dest", type=Path, default=None, help="join: output file (default: next to the parts)")
+    w.add_argument("--sha256", default=None, help="join: the sha256 the whole file must have")
+    w.set_defaults(func=cmd_weights)
+
+    g = sub.add_parser("gpu", formatter_class=fmt, help="the GPU block's stages (runbook: training/README.md)")
+    gs = g.add_subparsers(dest="stage", required=True)
+    gp = gs.add_parser("prepare", formatter_class=fmt, help="here: wheels to .whl/, GGUF parts to .gl/gguf/, carry lists")
+    gp.add_argument("--reserve-mib", type=float, default=0.0, help="room kept in each command for other carried paths")
+    gp.add_argument("--parts", type=int, default=None, help="number of parts (default: the fewest that fit)")
+    gw = gs.add_parser("weights", formatter_class=fmt, help="device: join the GGUF once all parts are here, convert it")
+    gw.add_argument("--out", type=Path, required=True, help="$OUT")
+    gw.add_argument("--parts-dir", type=Path, default=Path(".gl/gguf"), help="where the carried parts and parts.json are")
+    gd = gs.add_parser("data", formatter_class=fmt, help="device: selfinstruct, then this command's shards to $OUT")
+    gd.add_argument("--out", type=Path, required=True, help="$OUT")
+    gd.add_argument("--dir", type=Path, default=Path("runs/gpu/data"), help="data directory on the device")
+    _add_selfinstruct_options(gd)
+    gt = gs.add_parser("train", formatter_class=fmt,
+                       help="device: `training train` for --minutes (resumes), then a slim checkpoint + log to $OUT")
+    gt.add_argument("--out", type=Path, required=True, help="$OUT")
+    gt.add_argument("--data", type=Path, default=Path("runs/gpu/data"), help="training data (self-instruct directory)")
+    gt.add_argument("--run", type=Path, default=Path("runs/gpu/train"), help="run directory on the device")
+    gt.add_argument("--minutes", type=float, required=True, help="training wall time of this command")
+    gt.add_argument("trainer_args", nargs=argparse.REMAINDER, help="after --: more `training train` options")
+    gu = gs.add_parser("unpack", formatter_class=fmt, help="here: join split files that came back, place them")
+    gu.add_argument("src", type=Path, help="the folder the device's files came back to")
+    gu.add_argument("--data", type=Path, default=Path("runs/gpu/data"), help="where data files go")
+    gu.add_argument("--run", type=Path, default=Path("runs/gpu/train"), help="where training files go")
+    g.set_defaults(func=cmd_gpu)
     return p
 
 

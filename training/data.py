@@ -42,8 +42,13 @@ def load_examples(path: Path, tok, stop_id: int, max_len: int, keep_truncated: b
     """Read, encode and cut to max_len; returns the examples and counts of what was dropped.
 
     Answers the teacher cut at max_new_tokens are kept without a stop token by default (their prefix
-    is still exactly what the AR base says); keep_truncated=False drops them.
+    is still exactly what the AR base says); keep_truncated=False drops them. A directory is read as
+    token-id shards of `python -m training selfinstruct` (same rules, same counts).
     """
+    if path.is_dir():
+        from .selfinstruct import load_shard_examples
+
+        return load_shard_examples(path, stop_id, max_len, keep_truncated, min_answer)
     out: list[Example] = []
     stats = {"records": 0, "kept_truncated": 0, "dropped_truncated": 0, "dropped_long_prompt": 0, "cut_to_max_len": 0}
     with path.open() as f:

@@ -44,23 +44,16 @@ def export(run: Path, out: Path, checkpoint: Path | None = None) -> dict:
     return json.loads(json.dumps(meta))
 
 
-def merge(adapter: Path, base_spec: str, out_dir: Path) -> Path:
-    """Base + adapter merged into a plain checkpoint directory that `--model out_dir` loads.
+def merge(adapter: Path, base_spec: str, out_dir: Path, dtype: str = "bfloat16") -> Path:
+    """Base + adapter merged into a Fast_dLLM_v2 checkpoint directory (`--model out_dir` loads it).
 
-    The engine applies adapters only to the bundled base; any other adapted model ships merged.
+    The engine applies adapters only to the bundled base; any other adapted model ships merged, and the
+    paper's layout (training/fast_dllm_format.py) lets other tools read it too.
     """
-    from safetensors.torch import save_file
-
     from engine.loading import apply_adapter, build_model, load_tokenizer, resolve_source
+
+    from . import fast_dllm_format
 
     src = resolve_source(base_spec)
     model = apply_adapter(build_model(src.path, torch.device("cpu"), torch.float32), adapter)
-    state = {k: v.contiguous() for k, v in model.state_dict().items()
-             if not (model.cfg.tie_word_embeddings and k == "lm_head.weight")}
-    out_dir.mkdir(parents=True, exist_ok=True)
-    save_file(state, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
-    cfg = json.loads((src.path / "config.json").read_text())
-    cfg.update(vocab_size=model.cfg.vocab_size, bd_size=model.cfg.bd_size)
-    (out_dir / "config.json").write_text(json.dumps(cfg, indent=1))
-    load_tokenizer(src.path, add_mask_token=True).save_pretrained(str(out_dir))
-    return out_dir
+    return fast_dllm_format.write(model, load_tokenizer(src.path, add_mask_token=True), out_dir, dtype)

@@ -1,0 +1,65 @@
+"""What the loaded model measured, read from the adapter's model card (assets/MODEL_CARD.md front matter).
+
+The numbers are data, not code: the card's YAML front matter holds the bundled adapter's measured accuracy and
+tokens per forward (from `python -m bench quality`). They are shown only when the loaded adapter is the one the
+card describes (its metadata's training step matches), so a retrained or foreign adapter never borrows them.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+from safetensors import safe_open
+
+CARD = Path(__file__).resolve().parent.parent / "assets" / "MODEL_CARD.md"
+PAPER_URL = "https://arxiv.org/abs/2509.26328"
+
+
+@dataclass(frozen=True)
+class Measured:
+    """One adapter's measured quality: AR base accuracy and, per threshold, diffusion accuracy + tokens/forward."""
+
+    source: str
+    set: str
+    ar_accuracy: float
+    by_threshold: dict[float, tuple[float, float]]  # threshold -> (accuracy, tokens per forward on long answers)
+    train_minutes: float | None = None  # from the adapter's metadata
+    tokens_seen: int | None = None
+
+    def at(self, threshold: float) -> tuple[float, float] | None:
+        return self.by_threshold.get(round(float(threshold), 2))
+
+
+def front_matter(path: Path = CARD) -> dict[str, Any]:
+    """The YAML between the card's leading '---' lines ({} when there is none)."""
+    text = path.read_text(encoding="utf-8")
+    if not text.startswith("---\n"):
+        return {}
+    end = text.find("\n---\n", 4)
+    if end < 0:
+        return {}
+    return yaml.safe_load(text[4:end]) or {}
+
+
+def adapter_meta(adapter: Path | None) -> dict[str, str]:
+    """An adapter file's metadata: training step, seconds, tokens seen ({} without an adapter)."""
+    if adapter is None or not Path(adapter).is_file():
+        return {}
+    with safe_open(str(adapter), "pt") as f:
+        return f.metadata() or {}
+
+
+def measured_for(adapter: Path | None, path: Path = CARD) -> Measured | None:
+    """The card's measurements when `adapter` is the adapter the card describes, else None."""
+    fm = front_matter(path)
+    m = fm.get("measured")
+    meta = adapter_meta(adapter)
+    if not m or meta.get("step") is None or str(fm.get("adapter_step")) != meta["step"]:
+        return None
+    rows = {round(float(r["threshold"]), 2): (float(r["accuracy"]), float(r["tokens_per_forward_long"]))
+            for r in m["diffusion"]}
+    minutes = float(meta["train_seconds"]) / 60 if "train_seconds" in meta else None
+    tokens = int(meta["tokens_seen"]) if "tokens_seen" in meta else None
+    return Measured(str(m["source"]), str(m["set"]), float(m["ar_accuracy"]), rows, minutes, tokens)

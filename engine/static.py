@@ -1,0 +1,192 @@
+"""Static-shape decode steps over a static KV cache, captured as CUDA graphs on GPUs (gpt-fast's decode loop).
+
+Every cached decode forward has one of three widths: 1 (the AR step), sub_block + 1 (the dual-cache
+sub-block step: the sub-block and the token before it), or block (block-cache step, dual refresh, commit).
+A step's window is padded to its width and its logit rows to a power of two, so each (rows, width, logit
+rows) is one fixed shape: on CUDA it is captured once as a graph and replayed (one launch instead of ~400
+small kernels); on CPU the same code runs eagerly. What differs from CausalLM.forward, and why:
+  * K/V are scattered to per-row write positions; pad slots write to a trash slot past every row's end,
+    so padding never changes what later steps read;
+  * attention reads the cache's whole capacity with a per-row key-length mask (key < end), so the shapes
+    do not depend on how far decoding has got;
+  * RoPE rows are gathered from a table sized to the capacity: no int(pos.max()) host sync.
+Prefill and the `none` cache (variable widths) stay on CausalLM.forward; they write the same cache.
+"""
+from __future__ import annotations
+
+import os
+import warnings
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from .model import CausalLM, KVCache
+
+
+def wanted(device: torch.device) -> bool:
+    """FASTDLLM_STATIC=1/0 forces the static path on/off; default: on for CUDA, off for CPU (measured slower
+    there: attention over the whole capacity and padded windows cost more than the host work saved)."""
+    env = os.environ.get("FASTDLLM_STATIC", "").strip()
+    return env != "0" if env else device.type == "cuda"
+
+
+def graphs_wanted(device: torch.device) -> bool:
+    """CUDA graphs on CUDA unless FASTDLLM_GRAPHS=0 (static shapes without capture, for debugging), and not on
+    Hugging Face ZeroGPU (SPACES_ZERO_GPU set): there each request runs in a process that holds the GPU only
+    for that call, so graphs captured in one call would not outlive it."""
+    if os.environ.get("SPACES_ZERO_GPU"):
+        return False
+    return device.type == "cuda" and os.environ.get("FASTDLLM_GRAPHS", "1").strip() != "0"
+
+
+class StaticKVCache(KVCache):
+    """A view of the first `batch` rows of the stepper's storage: addresses stay fixed across decodes, so
+    captured graphs stay valid; finished rows leave by compacting in place, not by reallocating."""
+
+    def __init__(self, k: Tensor, v: Tensor, batch: int):  # noqa: D107 (no KVCache.__init__: no allocation)
+        self.store_k, self.store_v = k, v
+        self.k, self.v = k[:, :batch], v[:, :batch]
+        self.max_len = k.shape[3] - 1  # the last slot is the trash slot of pad writes
+
+    def keep_rows(self, rows: Tensor) -> None:
+        n = rows.numel()
+        self.store_k[:, :n] = self.store_k[:, :self.k.shape[1]].index_select(1, rows)
+        self.store_v[:, :n] = self.store_v[:, :self.v.shape[1]].index_select(1, rows)
+        self.k, self.v = self.store_k[:, :n], self.store_v[:, :n]
+
+
+@dataclass
+class _Shape:
+    """Static inputs and output of one (rows, width, logit rows) step, and its graph once captured."""
+
+    ids: Tensor  # [B, W] token ids
+    pos: Tensor  # [B, W] absolute positions (RoPE)
+    write: Tensor  # [B, W] cache slot each position's K/V goes to (pads: the trash slot)
+    ends: Tensor  # [B] keys < end are visible (the block grid makes every cached key before it visible)
+    idx: Tensor  # [B, N] window positions whose logits are needed
+    out: Tensor | None = None
+    graph: "torch.cuda.CUDAGraph | None" = None
+
+
+def static_forward(model: CausalLM, cos_t: Tensor, sin_t: Tensor, keys: Tensor, cache: StaticKVCache,
+                   s: _Shape) -> Tensor:
+    """CausalLM.forward for a decode step, with static shapes and no host sync (see the module docstring)."""
+    x = model.model.embed_tokens(s.ids)
+    b, t, _ = x.shape
+    cos, sin = cos_t[s.pos].unsqueeze(1), sin_t[s.pos].unsqueeze(1)
+    mask = (keys[None, :] < s.ends[:, None])[:, None, None, :]  # [B, 1, 1, capacity]
+    for i, layer in enumerate(model.model.layers):
+        att = layer.self_attn
+        h = layer.input_layernorm(x)
+        if att.qkv is not None:
+            q, k, v = att.qkv(h).split(att.qkv.splits, dim=-1)
+        else:
+            q, k, v = att.q_proj(h), att.k_proj(h), att.v_proj(h)
+        q = q.view(b, t, att.h, att.d).transpose(1, 2)
+        k = k.view(b, t, att.hkv, att.d).transpose(1, 2)
+        v = v.view(b, t, att.hkv, att.d).transpose(1, 2)
+        q = q * cos + _rotate_half(q) * sin
+        k = k * cos + _rotate_half(k) * sin
+        slots = s.write[:, None, :, None].expand(b, att.hkv, t, att.d)
+        cache.k[i].scatter_(2, slots, k)
+        cache.v[i].scatter_(2, slots, v)
+        out = F.scaled_dot_product_attention(q, cache.k[i], cache.v[i], attn_mask=mask,
+                                             enable_gqa=att.h != att.hkv)
+        x = x + att.o_proj(out.transpose(1, 2).reshape(b, t, att.h * att.d))
+        x = x + layer.mlp(layer.post_attention_layernorm(x))
+    x = x.gather(1, s.idx[..., None].expand(-1, -1, x.shape[-1]))
+    return model.lm_head(model.model.norm(x))
+
+
+def _rotate_half(x: Tensor) -> Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class StaticStepper:
+    """Owns the static KV storage, RoPE tables and per-shape buffers (and graphs) of one model."""
+
+    def __init__(self, model: CausalLM, graphs: bool = False, quantum: int = 256):
+        self.model = model
+        self.device = next(model.parameters()).device
+        self.dtype = model.model.embed_tokens.weight.dtype
+        self.graphs = graphs and self.device.type == "cuda"
+        self.quantum = quantum  # capacity grows in these steps, so one set of graphs serves many prompt lengths
+        self.rows = self.capacity = 0
+        self.shapes: dict[tuple[int, int, int], _Shape] = {}
+        self.pool = None
+        self.captured = 0  # graphs captured so far (tests and benchmarks read it)
+        self.graph_error: str | None = None  # why capture failed, if it did (the steps then run uncaptured)
+
+    # ------------------------------------------------------------ cache
+    def new_cache(self, batch: int, max_len: int) -> StaticKVCache:
+        """A cache for `batch` rows of `max_len` positions; storage is reused while it is big enough."""
+        need = -(-(max_len + 1) // self.quantum) * self.quantum  # +1: the trash slot
+        if batch > self.rows or need > self.capacity:
+            self.rows, self.capacity = max(batch, self.rows), max(need, self.capacity)
+            cfg = self.model.cfg
+            shape = (cfg.num_hidden_layers, self.rows, cfg.num_key_value_heads, self.capacity, cfg.head_dim)
+            self.shapes.clear()  # graphs point into the old storage
+            self.k = self.v = None
+            # zeros, not empty: masked keys still meet V in SDPA's math backend, and 0 * NaN would be NaN
+            self.k = torch.zeros(shape, device=self.device, dtype=self.dtype)
+            self.v = torch.zeros(shape, device=self.device, dtype=self.dtype)
+            self.keys = torch.arange(self.capacity, device=self.device)
+            # the model's own RoPE table (same values as the eager path), grown to the capacity once
+            self.model.rope(torch.tensor([self.capacity - 1], device=self.device), self.dtype)
+            self.cos, self.sin = self.model.rope._cos, self.model.rope._sin
+        return StaticKVCache(self.k, self.v, batch)
+
+    # ------------------------------------------------------------ one step
+    def step(self, ids: Tensor, pos: Tensor, cache: StaticKVCache, ends: list[int], logits_idx: Tensor,
+             width: int) -> Tensor:
+        """Logits [B, n] for a decode step over window ids/pos [B, w <= width] (padded to `width`)."""
+        b, w = ids.shape
+        n = logits_idx.shape[1]
+        if w > width:
+            raise ValueError(f"width: the window has {w} tokens, more than the step width {width}")
+        key = (b, width, min(width, 1 << (n - 1).bit_length()))
+        s = self.shapes.get(key)
+        if s is None:
+            s = self.shapes[key] = self._alloc(*key)
+        s.ids[:, :w].copy_(ids)
+        s.pos[:, :w].copy_(pos)
+        s.write[:, :w].copy_(pos)
+        if w < width:  # pads: token 0 at the last real position, K/V to the trash slot, output unused
+            s.ids[:, w:] = 0
+            s.pos[:, w:] = pos[:, -1:]
+            s.write[:, w:] = self.capacity - 1
+        s.ends.copy_(torch.tensor(ends, dtype=torch.long))
+        s.idx.zero_()
+        s.idx[:, :n].copy_(logits_idx)
+        if s.graph is None and self.graphs:
+            try:
+                self._capture(s, cache)
+            except RuntimeError as exc:  # an op that cannot be captured here: decode on, uncaptured, and say why
+                self.graphs, self.graph_error, s.graph = False, f"{type(exc).__name__}: {exc}"[:500], None
+                warnings.warn(f"CUDA graph capture failed; static steps run uncaptured: {self.graph_error}")
+        if s.graph is None:
+            return static_forward(self.model, self.cos, self.sin, self.keys, cache, s)[:, :n]
+        s.graph.replay()
+        return s.out[:, :n]
+
+    def _alloc(self, b: int, width: int, n: int) -> _Shape:
+        z = lambda *shape: torch.zeros(shape, dtype=torch.long, device=self.device)  # noqa: E731
+        return _Shape(ids=z(b, width), pos=z(b, width), write=z(b, width), ends=z(b), idx=z(b, n))
+
+    def _capture(self, s: _Shape, cache: StaticKVCache) -> None:
+        """Warm up on a side stream (lazy inits, autotuning), then record one replayable step."""
+        run = lambda: static_forward(self.model, self.cos, self.sin, self.keys, cache, s)  # noqa: E731
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            run()  # the K/V it writes are the same the replay writes next: harmless
+        torch.cuda.current_stream().wait_stream(side)
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        s.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(s.graph, pool=self.pool):
+            s.out = run()
+        self.captured += 1

