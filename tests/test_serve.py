@@ -423,3 +423,17 @@ def test_app_py_engine_url_builds_the_studio_on_the_server(api, monkeypatch):
         assert launched and stream.get_engine().lm.banner().endswith("remote " + api.url.removesuffix("/v1"))
     finally:
         stream._engine = previous
+
+
+def test_bench_serve_writes_its_results(api, tmp_path):
+    """`python -m bench serve --url`: both phases, the ratio and the same-answers check land in results.json."""
+    import json
+
+    from bench.__main__ import main
+
+    assert main(["serve", "--url", api.url, "--clients", "2", "--repeats", "1", "--max-tokens", "3",
+                 "--settings", "ar", "--out", str(tmp_path)]) == 0
+    [r] = json.loads((tmp_path / "results.json").read_text())["results"]
+    assert r["setting"] == "ar" and r["same_answers"] and r["aggregate_speedup"] > 0
+    assert r["one_client"]["requests"] == r["concurrent"]["requests"] == 2
+    assert r["concurrent"]["answer_tokens"] == r["one_client"]["answer_tokens"] > 0
