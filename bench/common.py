@@ -55,7 +55,7 @@ def load_engine(model: str | None, dtype: str | None, device: str | None = None)
     """Engine.load, memoised per (model, dtype, device, model/adapter env) so in-process callers load once."""
     from engine import Engine
 
-    key = (model, dtype, device, os.environ.get("FASTDLLM_MODEL"), os.environ.get("FASTDLLM_ADAPTER"))
+    key = (model, dtype, device, *(os.environ.get(f"FASTDLLM_{k}") for k in ("MODEL", "ADAPTER", "WEIGHTS", "INT4_WIDE_ROWS")))
     if key not in _ENGINES:
         _ENGINES[key] = Engine.load(model, device=device, dtype=dtype)
     return _ENGINES[key]

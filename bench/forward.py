@@ -3,9 +3,10 @@
 Every variant starts from the plain nn.Linear layout; "+packed" applies the engine's CPU decode layout.
 Shapes (query width x keys): the AR step (1 token), the dual-cache sub-block step (sub_block + 1), the
 block-cache step (a whole block), and the no-cache step (the whole prefix, block-causal mask), each
-with the LM head on the positions decoding reads. Variants: dtype (float32 / bfloat16) and
-torch.compile, each timed round-robin with the others (iteration i of every variant, then i + 1), so
-a busy machine's drift hits all alike; medians reported, ratios against the first variant.
+with the LM head on the positions decoding reads (--widths: forced widths k instead, LM head on all k).
+Variants: dtype (float32 / bfloat16), torch.compile, or weights=MODE (the bundled GGUF's weights as
+engine/quant.py runs them), each timed round-robin with the others (iteration i of every variant, then
+i + 1), so a busy machine's drift hits all alike; medians reported, ratios against the first variant.
 """
 from __future__ import annotations
 
@@ -23,6 +24,8 @@ from .common import load_engine, setup_torch, table, write_json
 
 
 def make_variant(model: torch.nn.Module, spec: str) -> torch.nn.Module:
+    if spec.startswith("weights="):  # the bundled GGUF's weights as Engine.load builds them (engine/quant.py)
+        return quantized(model, spec.removeprefix("weights="))
     parts = spec.split("+")
     m = model
     if "bf16" in parts:
@@ -36,6 +39,20 @@ def make_variant(model: torch.nn.Module, spec: str) -> torch.nn.Module:
     if "compile" in parts:
         m = torch.compile(m, dynamic=True)
     return m
+
+
+def quantized(model: torch.nn.Module, spec: str) -> torch.nn.Module:
+    """A copy of the bundled dLLM with FASTDLLM_WEIGHTS=mode[@wide_rows] weights (LoRA as its own path)."""
+    from engine import quant
+    from engine.loading import BUNDLED_ADAPTER, _adapter_tensors, _gguf_path, bundled_base_dir
+
+    mode, _, wide = spec.partition("@")
+    policy = quant.WeightPolicy(mode, int(wide) if wide else quant.DEFAULT_WIDE_ROWS)
+    tensors, scale = _adapter_tensors(BUNDLED_ADAPTER)
+    pair = quant.QuantizedPair(quant.cached_gguf(_gguf_path(), model.cfg.num_attention_heads, model.cfg.num_key_value_heads,
+                                                 bundled_base_dir() / "q4_1_blocks.safetensors"), policy)
+    return pair.apply(copy.deepcopy(model), quant.read_lora(tensors), scale,
+                      tensors.get("extend.model.embed_tokens.weight"))
 
 
 def shapes(prefix: int, bs: int, sbs: int) -> dict[str, dict[str, Any]]:
@@ -67,7 +84,11 @@ def add_parser(sub) -> None:
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--model", default=None)
     p.add_argument("--variants", default="fp32,bf16",
-                   help="comma list of fp32, bf16, fp16, each optionally +packed (CPU decode layout) and/or +compile")
+                   help="comma list of fp32, bf16, fp16, each optionally +packed (CPU decode layout) and/or +compile; "
+                        "or weights=MODE[@ROWS] (the bundled GGUF's weights, FASTDLLM_WEIGHTS modes of engine/quant.py)")
+    p.add_argument("--widths", default=None,
+                   help="comma list of forced widths k (k tokens against the cached prefix, LM head on all k) "
+                        "instead of the decode shapes")
     p.add_argument("--prefix", type=int, default=160, help="cached prefix tokens (prompt + answer so far)")
     p.add_argument("--block-size", type=int, default=32)
     p.add_argument("--sub-block-size", type=int, default=8)
@@ -82,14 +103,17 @@ def main(args: argparse.Namespace) -> int:
 
     setup_torch(args.threads)
     os.environ["FASTDLLM_PACK"] = "0"  # variants start from the plain layout; "+packed" applies the engine's
+    os.environ["FASTDLLM_WEIGHTS"] = "fp32"  # ... and from the dequantised fp32 weights; weights=MODE applies quant
     eng = load_engine(args.model, None, None)
     base = eng.lm.dllm
     specs = args.variants.split(",")
     models = {v: make_variant(base, v) for v in specs}
-    dtypes = {v: next(m.parameters()).dtype for v, m in models.items()}
+    dtypes = {v: m.model.norm.weight.dtype for v, m in models.items()}
     n = args.prefix + 2 * args.block_size
     cache = {dt: KVCache(base.cfg, 1, n, torch.device("cpu"), dt) for dt in set(dtypes.values())}
-    sh = shapes(args.prefix, args.block_size, args.sub_block_size)
+    sh = shapes(args.prefix, args.block_size, args.sub_block_size) if not args.widths else {
+        f"k={k}": dict(width=k, start=args.prefix, kv_len=args.prefix + k, heads=k)
+        for k in (int(w) for w in args.widths.split(","))}
     times: dict[tuple[str, str], list[float]] = {(v, s): [] for v in specs for s in sh}
     with torch.inference_mode():
         for v in specs:  # warm-up (and compilation) excluded
@@ -109,6 +133,8 @@ def main(args: argparse.Namespace) -> int:
         for v in specs:
             med = statistics.median(times[(v, name)])
             row[v] = f"{1000 * med:.1f} ms" + (f" ({ref / med:.2f}x)" if v != specs[0] else "")
+            if args.widths and name != next(iter(sh)):  # cost relative to this variant's 1st width (k = 1)
+                row[v] += f" [{med / statistics.median(times[(v, next(iter(sh)))]):.2f}x k1]"
         rows.append(row)
     print(f"{eng.lm.banner()} · threads {torch.get_num_threads()} · prefix {args.prefix} · {args.iters} iters, median")
     print(table(rows, [("shape", "forward shape")] + [(v, v) for v in specs]))

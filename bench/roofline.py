@@ -63,7 +63,12 @@ def timed(fn: Callable[[], Any], device: torch.device, iters: int, warmup: int =
 
 def weight_bytes(model: torch.nn.Module) -> int:
     """Bytes one forward streams: distinct parameters, minus the embedding table when the LM head is a
-    separate tensor (a lookup reads only the query's rows)."""
+    separate tensor (a lookup reads only the query's rows). 4-bit models: what their narrow forward streams."""
+    from engine.quant import narrow_bytes
+
+    four_bit = narrow_bytes(model)
+    if four_bit is not None:
+        return four_bit
     embed = model.model.embed_tokens.weight
     head = [p for n, p in model.named_parameters() if n.startswith("lm_head.")]
     skip = {embed.data_ptr()} if all(p.data_ptr() != embed.data_ptr() for p in head) else set()

@@ -11,30 +11,38 @@ The reported repeat is the median one by time; answer tokens count through the s
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections import Counter
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from .common import (DEFAULT_PROMPTS, NEVER_STOP, PeakMemory, environment, load_engine, load_prompts, median,
                      median_index, parse_list, progress, save_figures, setup_torch, table, write_json)
 
 
+MODES = ("ar", "diffusion", "transformers", "llamacpp")
+
+
 @dataclass(frozen=True)
 class Setting:
-    mode: str  # ar | diffusion | transformers
+    mode: str  # one of MODES
     batch_size: int
     cache: str | None = None
     threshold: float | None = None
     block_size: int | None = None
     sub_block_size: int | None = None
+    weights: str | None = None  # FASTDLLM_WEIGHTS of the engine (ar / diffusion); None: the engine's default
 
     @property
     def label(self) -> str:
+        w = f"@{self.weights}" if self.weights else ""
         if self.mode != "diffusion":
-            return self.mode
-        return f"diffusion/{self.cache}/t{self.threshold:g}/b{self.block_size}/s{self.sub_block_size}"
+            return self.mode + w
+        return f"diffusion/{self.cache}/t{self.threshold:g}/b{self.block_size}/s{self.sub_block_size}{w}"
 
     @property
     def name(self) -> str:
@@ -48,17 +56,22 @@ def build_settings(args: argparse.Namespace, eng) -> tuple[list[Setting], list[d
     modes = parse_list(args.modes)
     if args.hf_baseline and "transformers" not in modes:
         modes.append("transformers")
-    unknown = set(modes) - {"ar", "diffusion", "transformers"}
-    if unknown:
-        raise SystemExit(f"--modes: unknown mode(s) {sorted(unknown)}; choose from ar, diffusion, transformers")
+    check_modes(modes)
+    weights = parse_list(args.weights) or [None]
     settings: list[Setting] = []
     skipped: list[dict[str, Any]] = []
     for bs in parse_list(args.batch_sizes, int):
         if bs < 1:
             raise SystemExit(f"--batch-sizes: {bs} is not a positive integer")
         for mode in modes:
-            if mode != "diffusion":
+            if mode == "llamacpp" and bs != 1:
+                skipped.append({"name": f"llamacpp/bs{bs}", "reason": "llama-cpp-python decodes one sequence (batch 1)"})
+                continue
+            if mode in ("transformers", "llamacpp"):
                 settings.append(Setting(mode, bs))
+                continue
+            if mode == "ar":
+                settings.extend(Setting(mode, bs, weights=w) for w in weights)
                 continue
             if not eng.can_diffuse:
                 skipped.append({"name": f"diffusion/bs{bs}", "reason": "the model has no mask token (no adapter loaded)"})
@@ -66,8 +79,8 @@ def build_settings(args: argparse.Namespace, eng) -> tuple[list[Setting], list[d
             for cache in parse_list(args.cache):
                 for th in parse_list(args.thresholds, float):
                     for blk in parse_list(args.block_sizes, int):
-                        for sub in parse_list(args.sub_block_sizes, int):
-                            s = Setting("diffusion", bs, cache, th, blk, sub)
+                        for sub, w in ((sub, w) for sub in parse_list(args.sub_block_sizes, int) for w in weights):
+                            s = Setting("diffusion", bs, cache, th, blk, sub, w)
                             try:
                                 engine_config(eng, s, args.max_new_tokens, False)
                             except ConfigError as exc:
@@ -75,6 +88,12 @@ def build_settings(args: argparse.Namespace, eng) -> tuple[list[Setting], list[d
                                 continue
                             settings.append(s)
     return settings, skipped
+
+
+def check_modes(modes: list[str]) -> None:
+    unknown = set(modes) - set(MODES)
+    if unknown:
+        raise SystemExit(f"--modes: unknown mode(s) {sorted(unknown)}; choose from {', '.join(MODES)}")
 
 
 def engine_config(eng, s: Setting, max_new_tokens: int, ignore_eos: bool):
@@ -92,6 +111,28 @@ class Runner:
     def __init__(self, eng, args: argparse.Namespace):
         self.eng, self.args = eng, args
         self._hf = None
+        self._llama = None
+
+    def engine(self, s: Setting):
+        """The engine of a setting's weights mode (loaded once per mode, memoised by load_engine)."""
+        if not s.weights or s.weights == self.eng.lm.info.get("weights"):
+            return self.eng
+        old = os.environ.get("FASTDLLM_WEIGHTS")
+        os.environ["FASTDLLM_WEIGHTS"] = s.weights
+        try:
+            return load_engine(self.args.model, self.args.dtype, self.args.device)
+        finally:
+            if old is None:
+                os.environ.pop("FASTDLLM_WEIGHTS")
+            else:
+                os.environ["FASTDLLM_WEIGHTS"] = old
+
+    def llama(self):
+        if self._llama is None:
+            from .llamacpp import LlamaCppBaseline
+
+            self._llama = LlamaCppBaseline(self.eng, self.args.threads or torch.get_num_threads())
+        return self._llama
 
     def hf(self):
         if self._hf is None:
@@ -101,13 +142,15 @@ class Runner:
         return self._hf
 
     def run(self, s: Setting, batch: list[list[int]], max_new_tokens: int) -> tuple[float, list[dict[str, Any]]]:
-        if s.mode == "transformers":
-            rows = self.hf().generate_ids(batch, max_new_tokens, ignore_eos=self.args.ignore_eos)
+        if s.mode in ("transformers", "llamacpp"):
+            base = self.hf() if s.mode == "transformers" else self.llama()
+            rows = base.generate_ids(batch, max_new_tokens, ignore_eos=self.args.ignore_eos)
             out = [dict(answer_tokens=r.answer_tokens, nfe=r.nfe, seconds=r.seconds, ttft=r.ttft,
                         stop_reason=r.stop_reason, token_ids=r.token_ids) for r in rows]
         else:
-            cfg = engine_config(self.eng, s, max_new_tokens, self.args.ignore_eos)
-            res = self.eng.generate_ids(batch, cfg, record=False)
+            eng = self.engine(s)
+            cfg = engine_config(eng, s, max_new_tokens, self.args.ignore_eos)
+            res = eng.generate_ids(batch, cfg, record=False)
             out = [dict(answer_tokens=r.summary.answer_tokens, nfe=r.summary.nfe, seconds=r.summary.seconds,
                         ttft=r.summary.ttft, stop_reason=r.summary.stop_reason, token_ids=r.summary.token_ids)
                    for r in res]
@@ -136,40 +179,44 @@ def aggregate(s: Setting, repeats: list[dict[str, Any]], mem_kind: str) -> dict[
 
 
 def ratios(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """diffusion / AR and AR / transformers tokens/s, both terms taken from this run at the same batch size."""
-    by = {(r["mode"], r["batch_size"]): r for r in results if r["mode"] != "diffusion"}
+    """diffusion / AR (same weights), AR / transformers and AR / llama.cpp tokens/s, every term taken from this
+    run at the same batch size."""
+    by = {(r["mode"], r["batch_size"], r["weights"]): r for r in results if r["mode"] != "diffusion"}
     out = []
     for r in results:
-        den = None
         if r["mode"] == "diffusion":
-            den = by.get(("ar", r["batch_size"]))
+            dens = [("vs_ar", by.get(("ar", r["batch_size"], r["weights"])))]
         elif r["mode"] == "ar":
-            den = by.get(("transformers", r["batch_size"]))
-        if den is None or not den["tokens_per_second"]:
+            dens = [(f"vs_{m}", by.get((m, r["batch_size"], None))) for m in ("transformers", "llamacpp")]
+        else:
             continue
-        value = r["tokens_per_second"] / den["tokens_per_second"]
-        key = "vs_ar" if r["mode"] == "diffusion" else "vs_transformers"
-        r[key] = value
-        out.append({"numerator": r["name"], "denominator": den["name"], "tokens_per_second_ratio": value,
-                    "numerator_tokens_per_second": r["tokens_per_second"],
-                    "denominator_tokens_per_second": den["tokens_per_second"]})
+        for key, den in dens:
+            if den is None or not den["tokens_per_second"]:
+                continue
+            value = r["tokens_per_second"] / den["tokens_per_second"]
+            r[key] = value
+            out.append({"numerator": r["name"], "denominator": den["name"], "tokens_per_second_ratio": value,
+                        "numerator_tokens_per_second": r["tokens_per_second"],
+                        "denominator_tokens_per_second": den["tokens_per_second"]})
     return out
 
 
-def agreement(results_rows: dict[str, list[dict[str, Any]]], settings: list[Setting]) -> list[dict[str, Any]]:
-    """How many prompts our AR and transformers decode to identical token ids (same weights, greedy)."""
+def agreement(results_rows: dict[str, list[dict[str, Any]]], settings: list[Setting],
+              other: str = "transformers") -> list[dict[str, Any]]:
+    """How many prompts our AR and `other` (transformers / llamacpp) decode to identical token ids (greedy)."""
     out = []
     for s in settings:
         if s.mode != "ar":
             continue
-        hf = Setting("transformers", s.batch_size)
-        if hf.name not in results_rows:
+        ref = Setting(other, s.batch_size)
+        if ref.name not in results_rows:
             continue
-        a, b = results_rows[s.name], results_rows[hf.name]
+        a, b = results_rows[s.name], results_rows[ref.name]
         same = sum(x["token_ids"] == y["token_ids"] for x, y in zip(a, b))
         prefix = [next((j for j, (u, v) in enumerate(zip(x["token_ids"], y["token_ids"])) if u != v),
                        min(len(x["token_ids"]), len(y["token_ids"]))) for x, y in zip(a, b)]
-        out.append({"batch_size": s.batch_size, "identical": same, "n": len(a), "common_prefix_tokens": prefix})
+        out.append({"setting": s.name, "batch_size": s.batch_size, "identical": same, "n": len(a),
+                    "common_prefix_tokens": prefix})
     return out
 
 
@@ -216,7 +263,8 @@ def charts(results: list[dict[str, Any]]) -> dict[str, Any]:
 
 COLUMNS = [("name", "setting"), ("n_prompts", "prompts"), ("answer_tokens", "answer tok"), ("nfe", "NFE"),
            ("tokens_per_forward", "tok/fwd"), ("seconds", "seconds"), ("tokens_per_second", "tok/s"),
-           ("ttft", "TTFT s"), ("peak_memory_mb", "peak MB"), ("peak_memory_growth_mb", "+MB"), ("vs_ar", "÷ AR"), ("vs_transformers", "÷ HF")]
+           ("ttft", "TTFT s"), ("peak_memory_mb", "peak MB"), ("peak_memory_growth_mb", "+MB"), ("vs_ar", "÷ AR"), ("vs_transformers", "÷ HF"),
+           ("vs_llamacpp", "÷ llama.cpp")]
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -275,6 +323,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "accounting": __doc__.split("\n\n", 1)[1].strip().replace("\n", " "),
         "results": results, "ratios": ratios(results), "skipped": skipped,
         "ar_transformers_agreement": agreement(last_rows, settings),
+        "ar_llamacpp_agreement": agreement(last_rows, settings, "llamacpp"),
     }
     report["charts"] = save_figures(charts(results), out_dir, png=not args.no_png).to_json()
     write_json(out_dir / "results.json", report)
@@ -291,9 +340,10 @@ def print_report(report: dict[str, Any], file=None) -> None:
     for r in report["ratios"]:
         print(f"ratio {r['numerator']} / {r['denominator']}: {r['tokens_per_second_ratio']:.3f}x "
               f"({r['numerator_tokens_per_second']:.2f} / {r['denominator_tokens_per_second']:.2f} tok/s, same run)", file=file)
-    for a in report["ar_transformers_agreement"]:
-        print(f"our AR vs transformers, batch {a['batch_size']}: {a['identical']}/{a['n']} prompts decode to identical "
-              f"token ids", file=file)
+    for other in ("transformers", "llamacpp"):
+        for a in report.get(f"ar_{other}_agreement", []):
+            print(f"our {a.get('setting', 'AR')} vs {other}, batch {a['batch_size']}: {a['identical']}/{a['n']} prompts "
+                  f"decode to identical token ids", file=file)
     for s in report["skipped"]:
         print(f"skipped {s['name']}: {s['reason']}", file=file)
     ch = report["charts"]
@@ -306,7 +356,11 @@ def add_parser(sub) -> None:
     p.add_argument("--model", default=None, help="model spec for Engine.load (default: bundled base + adapter)")
     p.add_argument("--prompts", default=None, help=f"JSONL of {{\"prompt\": ...}} (default {DEFAULT_PROMPTS.relative_to(DEFAULT_PROMPTS.parents[2])})")
     p.add_argument("--batch-sizes", default="1")
-    p.add_argument("--modes", default="ar,diffusion", help="comma list of ar, diffusion, transformers")
+    p.add_argument("--modes", default="ar,diffusion",
+                   help="comma list of ar, diffusion, transformers, llamacpp (llama-cpp-python on the bundled GGUF)")
+    p.add_argument("--weights", default=None,
+                   help="comma list of FASTDLLM_WEIGHTS modes (int4+bf16, int4, bf16, fp32) to run ar/diffusion with, "
+                        "interleaved in one run (default: the engine's)")
     p.add_argument("--hf-baseline", action="store_true", help="also run transformers generate() (= mode transformers)")
     p.add_argument("--cache", default="dual", help="diffusion cache modes: none, block, dual")
     p.add_argument("--thresholds", default="0.9")
@@ -331,9 +385,15 @@ def add_parser(sub) -> None:
 def main(args: argparse.Namespace) -> int:
     if args.repeats < 1:
         raise SystemExit("--repeats must be >= 1")
-    unknown = set(parse_list(args.modes)) - {"ar", "diffusion", "transformers"}
-    if unknown:  # before the model loads
-        raise SystemExit(f"--modes: unknown mode(s) {sorted(unknown)}; choose from ar, diffusion, transformers")
+    check_modes(parse_list(args.modes))  # before the model loads
+    if args.weights:
+        from engine.quant import WeightPolicy
+
+        for w in parse_list(args.weights):
+            try:
+                WeightPolicy(w)
+            except ValueError as exc:
+                raise SystemExit(f"--weights: {exc}") from None
     report = run(args)
     print_report(report)
     return 0

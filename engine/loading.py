@@ -17,7 +17,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from . import packing
+from . import packing, quant
 from .config import ModelConfig
 from .model import CausalLM
 
@@ -68,7 +68,8 @@ class LoadedModel:
     def banner(self) -> str:
         adapter = " + Fast-dLLM v2 adapter" if self.source.adapter else ""
         dt = str(self.dtype).replace("torch.", "")
-        return f"{self.name}{adapter} · {self.source.reason} · {self.device.type} · {dt}"
+        w = self.info.get("weights", dt)
+        return f"{self.name}{adapter} · {self.source.reason} · {self.device.type} · {dt}" + (f" · {w} weights" if w != dt else "")
 
 
 def cache_dir() -> Path:
@@ -212,10 +213,11 @@ def build_model(path: Path, device: torch.device, dtype: torch.dtype) -> CausalL
     return model.to(device=device, dtype=dtype).eval().requires_grad_(False)
 
 
-def apply_adapter(base: CausalLM, adapter: Path) -> CausalLM:
+def apply_adapter(base: CausalLM, adapter: Path, merge_lora: bool = True) -> CausalLM:
     """A new model: base + merged LoRA deltas + replaced tensors + new vocabulary rows (the mask token).
 
     Parameters the adapter does not touch are shared with `base`, so both fit in ~1.3x one model.
+    merge_lora=False leaves the LoRA deltas out (engine/quant.py runs them as a separate path).
     """
     with safe_open(str(adapter), "pt") as f:
         meta = f.metadata() or {}
@@ -239,7 +241,7 @@ def apply_adapter(base: CausalLM, adapter: Path) -> CausalLM:
         kind, name = key.split(".", 1)
         if kind == "set":
             state[name] = t.to(dev, dt)
-        elif kind == "lora_A":
+        elif kind == "lora_A" and merge_lora:
             b = tensors["lora_B." + name].float()
             state[name] = (params[name].float() + scale * (b @ t.float()).to(dev)).to(dt)
     state = {k: v.detach() for k, v in state.items()}
@@ -250,6 +252,13 @@ def apply_adapter(base: CausalLM, adapter: Path) -> CausalLM:
         model.lm_head.weight = model.model.embed_tokens.weight
     model.rope = type(model.rope)(cfg.head_dim, cfg.rope_theta)
     return model.to(dev).eval().requires_grad_(False)
+
+
+def _adapter_tensors(adapter: Path | None) -> tuple[dict[str, torch.Tensor] | None, float]:
+    if adapter is None:
+        return None, 1.0
+    with safe_open(str(adapter), "pt") as f:
+        return {k: f.get_tensor(k) for k in f.keys()}, float((f.metadata() or {}).get("lora_scale", "1.0"))
 
 
 def save_adapter(path: Path, *, lora: dict[str, tuple[torch.Tensor, torch.Tensor]], sets: dict[str, torch.Tensor],
@@ -288,8 +297,17 @@ def load(model: str | None = None, device: str | None = None, dtype: str | None 
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dt = getattr(torch, dtype) if dtype else default_dtype(dev)
     base = build_model(source.path, dev, dt)
-    dllm = apply_adapter(base, source.adapter) if source.adapter else base
-    if packing.wanted(dev):  # last: adapters merge into plain nn.Linear weights first
+    policy = quant.WeightPolicy.from_env()
+    four_bit = source.kind == "bundled" and dev.type == "cpu" and policy.mode != "fp32"
+    dllm = apply_adapter(base, source.adapter, merge_lora=not four_bit) if source.adapter else base
+    weights = str(dt).replace("torch.", "")
+    if four_bit:
+        weights = policy.mode
+        # The GGUF's own 4-bit blocks replace the dequantised projections (engine/quant.py).
+        quant.quantize_bundled(base, dllm, _gguf_path(), source.path / "q4_1_blocks.safetensors",
+                               *_adapter_tensors(source.adapter), policy)
+        packing.release_freed_memory()
+    elif packing.wanted(dev):  # last: adapters merge into plain nn.Linear weights first
         # The layout speeds up 1-token forwards (AR) and slows multi-token ones (diffusion) by ~8 %
         # (`bench forward --variants fp32,fp32+packed`), so a separate dLLM keeps the plain layout; a model
         # that serves both (no adapter) is packed, in place.
@@ -307,4 +325,5 @@ def load(model: str | None = None, device: str | None = None, dtype: str | None 
         name = source.spec.rstrip("/").split("/")[-1] if "/" in source.spec else source.spec
     return LoadedModel(name=name, source=source, dllm=dllm, base=base, tokenizer=tok, mask_token_id=mask_id,
                        stop_token_ids=stops, device=dev, dtype=dt, load_seconds=time.perf_counter() - t0,
-                       info={"model_type": cfg_json.get("model_type"), "bd_size": cfg_json.get("bd_size")})
+                       info={"model_type": cfg_json.get("model_type"), "bd_size": cfg_json.get("bd_size"),
+                             "weights": weights})

@@ -5,11 +5,15 @@ and training (an arbitrary boolean attention mask over [noisy || clean]).
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .config import ModelConfig
+
+Attend = Callable[[Tensor, Tensor, Tensor], Tensor]  # (q, k, v) -> attention output, shapes as SDPA's
 
 
 class KVCache:
@@ -70,7 +74,9 @@ class Rope(nn.Module):
     def __init__(self, head_dim: int, theta: float):
         super().__init__()
         inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
-        self.register_buffer("inv_freq", inv, persistent=False)
+        # A plain attribute, not a buffer: Module.to(dtype=bf16) would round it, and bf16 angles drift by
+        # up to ~1.4 rad at position 1,000 (theta 1e5). The tables are computed in fp32, then cast.
+        self.inv_freq = inv
         self._cos: Tensor | None = None
         self._sin: Tensor | None = None
 
@@ -97,7 +103,7 @@ class Attention(nn.Module):
         self.qkv: nn.Module | None = None  # fused q|k|v of the CPU decode layout (engine/packing.py)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, pos: Tensor, cache: KVCache | None,
-                start: int | None, kv_len: int | None, mask: Tensor | None, causal: bool) -> Tensor:
+                start: int | None, kv_len: int | None, mask: Tensor | Attend | None, causal: bool) -> Tensor:
         b, t, _ = x.shape
         if self.qkv is not None:
             q, k, v = self.qkv(x).split(self.qkv.splits, dim=-1)
@@ -112,8 +118,11 @@ class Attention(nn.Module):
             cache.write(self.layer, k, v, pos, start)
             k = cache.k[self.layer, :, :, :kv_len]
             v = cache.v[self.layer, :, :, :kv_len]
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal and mask is None,
-                                             enable_gqa=self.h != self.hkv)
+        if mask is not None and not isinstance(mask, Tensor):  # training's structured attention (training/attention.py)
+            out = mask(q, k, v)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal and mask is None,
+                                                 enable_gqa=self.h != self.hkv)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, self.h * self.d))
 
 
@@ -167,13 +176,14 @@ class CausalLM(nn.Module):
         self.packed = False  # True after engine.packing.pack_for_decode (inference only)
 
     def forward(self, ids: Tensor, pos: Tensor, cache: KVCache | None = None, *, start: int | None = None,
-                kv_len: int | None = None, mask: Tensor | None = None, causal: bool = False,
+                kv_len: int | None = None, mask: Tensor | Attend | None = None, causal: bool = False,
                 logits_idx: Tensor | None = None) -> Tensor:
         """Run ids [B, T] at absolute positions pos [B, T].
 
         With a cache, K/V are written at pos (a slice at `start` when all rows share it) and attention
         reads cache[:kv_len]. `mask` is boolean (True = may attend), broadcastable to [B, 1, T, keys];
-        None with causal=False means every key is visible (a decode step on the block grid).
+        None with causal=False means every key is visible (a decode step on the block grid); a callable
+        (q, k, v) -> out replaces SDPA (the training recipe's block-sparse attention).
         `logits_idx` [B, n] picks the window positions whose logits are needed (LM head only there).
         """
         x = self.model.embed_tokens(ids)

@@ -111,7 +111,7 @@ class StaticStepper:
     def __init__(self, model: CausalLM, graphs: bool = False, quantum: int = 256):
         self.model = model
         self.device = next(model.parameters()).device
-        self.dtype = model.model.embed_tokens.weight.dtype
+        self.dtype = model.model.norm.weight.dtype  # (a 4-bit model's embedding is int8)
         self.graphs = graphs and self.device.type == "cuda"
         self.quantum = quantum  # capacity grows in these steps, so one set of graphs serves many prompt lengths
         self.rows = self.capacity = 0

@@ -124,3 +124,16 @@ def test_cli_chat_multi_turn():
     assert r.returncode == 0, r.stderr
     assert r.stdout.count("bot> ") == 2, "empty input is ignored, each message answered once"
     assert "(conversation cleared)" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_bf16_model_keeps_fp32_rotary_angles(tiny_fast_dllm):
+    """Module.to(bf16) must not round inv_freq: bf16 angles drift by radians at long positions."""
+    from engine.loading import build_model
+
+    model = build_model(tiny_fast_dllm, torch.device("cpu"), torch.bfloat16)
+    assert model.rope.inv_freq.dtype == torch.float32
+    pos = torch.tensor([[4000]])
+    cos, _ = model.rope(pos, torch.bfloat16)
+    inv = model.rope.inv_freq
+    want = torch.cat((4000.0 * inv, 4000.0 * inv)).cos()
+    assert (cos.float().flatten() - want).abs().max() < 1e-2  # only the final bf16 cast's rounding

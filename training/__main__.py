@@ -1,4 +1,4 @@
-"""python -m training {distill,train,export,eval,ablation}: make the bundled Fast-dLLM v2 adapter.
+"""python -m training {distill,train,throughput,export,eval,ablation}: make the bundled Fast-dLLM v2 adapter.
 
 Typical run (CPU, the bundled SmolLM2-135M base):
   python -m training distill --limit 800 --time-budget 900
@@ -32,7 +32,8 @@ def cmd_distill(a: argparse.Namespace) -> None:
 
     _threads(a.threads)
     distill(DistillConfig(prompts=a.prompts, out=a.out, model=a.model, limit=a.limit, batch_size=a.batch_size,
-                          max_new_tokens=a.max_new_tokens, time_budget_s=a.time_budget))
+                          max_new_tokens=a.max_new_tokens, time_budget_s=a.time_budget, mode=a.mode,
+                          threshold=a.threshold, dtype=a.dtype))
 
 
 def cmd_train(a: argparse.Namespace) -> None:
@@ -43,10 +44,41 @@ def cmd_train(a: argparse.Namespace) -> None:
         data=a.data, run=a.run, model=a.model, recipe=a.recipe, block_size=a.block_size, max_len=a.max_len,
         keep_truncated=not a.drop_truncated, rank=a.rank, alpha=a.alpha, train_norms=a.train_norms,
         lr=a.lr, weight_decay=a.weight_decay, warmup_steps=a.warmup_steps, min_lr_ratio=a.min_lr_ratio,
-        epochs=a.epochs, batch_size=a.batch_size, grad_clip=a.grad_clip, bf16=not a.fp32, seed=a.seed,
-        save_every_s=a.save_every_s, save_every_steps=a.save_every_steps, max_steps=a.max_steps,
+        epochs=a.epochs, batch_size=a.batch_size, micro_batch=a.micro_batch, grad_clip=a.grad_clip,
+        bf16=not a.fp32, bf16_weights=not a.fp32_weights, attention=a.attention, mask_later=a.mask_later,
+        sub_block_size=a.sub_block_size, certainty_weight=a.certainty_weight,
+        certainty_temperature=a.certainty_temperature, export_to=a.export_to, export_max_mib=a.export_max_mib,
+        seed=a.seed, save_every_s=a.save_every_s, save_every_steps=a.save_every_steps, max_steps=a.max_steps,
         minutes=a.minutes, limit=a.limit, val_size=a.val_size, init_from=a.init_from)
     train(cfg)
+
+
+def cmd_throughput(a: argparse.Namespace) -> None:
+    import json
+
+    from .throughput import ThroughputConfig, measure
+
+    _threads(a.threads)
+    if a.padding:
+        from engine.loading import load_tokenizer, resolve_source
+
+        from .data import load_data
+        from .throughput import padding_table
+
+        tok = load_tokenizer(resolve_source("bundled-base").path, add_mask_token=True)
+        vocab = tok.get_vocab()
+        examples, _ = load_data(a.data, tok, vocab["<|im_end|>"], a.max_len)
+        rows = padding_table(examples, vocab["|<MASK>|"], [(4, 4), (16, 16), (16, 4), (64, 8), (64, 4)])
+        a.out.parent.mkdir(parents=True, exist_ok=True)
+        a.out.write_text(json.dumps({"data": str(a.data), "max_len": a.max_len, "recipe": "full", "rows": rows}, indent=1))
+        print(json.dumps(rows, indent=1))
+        return
+    rep = measure(ThroughputConfig(data=a.data, variants=a.variants.split(","), rounds=a.rounds, warmup=a.warmup,
+                                   batch_size=a.batch_size, micro_batch=a.micro_batch, max_len=a.max_len,
+                                   rank=a.rank, profile=a.profile, out=a.out))
+    print(json.dumps({k: {m: v[m] for m in ("answer_tokens_per_s", "model_tokens_per_s", "answer_tokens_per_cpu_s",
+                                            "model_tokens_per_cpu_s", "seconds")}
+                      for k, v in rep["variants"].items()}, indent=1))
 
 
 def cmd_export(a: argparse.Namespace) -> None:
@@ -159,7 +191,13 @@ def parser() -> argparse.ArgumentParser:
     d.add_argument("--prompts", type=Path, default=DATA / "prompts.jsonl", help='JSONL of {"prompt": ...}')
     d.add_argument("--out", type=Path, default=DATA / "distill.jsonl",
                    help="chat JSONL to append to; prompts already in it are skipped (resumable)")
-    d.add_argument("--model", default="bundled-base", help="engine model spec of the AR teacher")
+    d.add_argument("--model", default="bundled-base",
+                   help="engine model spec of the teacher (mode diffusion: 'bundled' = base + FASTDLLM_ADAPTER or assets/)")
+    d.add_argument("--mode", choices=("ar", "diffusion"), default="ar",
+                   help="ar: the AR base's answers; diffusion: the dLLM's own decoding trajectories (certainty-forcing data)")
+    d.add_argument("--threshold", type=float, default=0.9, help="diffusion confidence threshold (--mode diffusion)")
+    d.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
+                   help="engine dtype (default: the engine's, float32 on CPU and bfloat16 on CUDA)")
     d.add_argument("--limit", type=int, default=None, help="use only the first N prompts of the file")
     d.add_argument("--batch-size", type=int, default=32, help="prompts decoded together")
     d.add_argument("--max-new-tokens", type=int, default=160, help="answer length cap")
@@ -177,7 +215,7 @@ def parser() -> argparse.ArgumentParser:
     t.add_argument("--max-len", type=int, default=256, help="prompt+answer tokens kept (multiple of block size)")
     t.add_argument("--drop-truncated", action="store_true",
                    help="skip answers the teacher cut at max_new_tokens (default: keep them, without a stop token)")
-    t.add_argument("--rank", type=int, default=32, help="LoRA rank")
+    t.add_argument("--rank", type=int, default=32, help="LoRA rank (32; 64-128 for the GPU runs)")
     t.add_argument("--alpha", type=float, default=64.0, help="LoRA alpha (scale = alpha / rank)")
     t.add_argument("--train-norms", action="store_true", help="also train the RMSNorm weights")
     t.add_argument("--lr", type=float, default=3e-4, help="peak learning rate (AdamW)")
@@ -186,8 +224,23 @@ def parser() -> argparse.ArgumentParser:
     t.add_argument("--min-lr-ratio", type=float, default=0.1, help="cosine decay floor, fraction of --lr")
     t.add_argument("--epochs", type=float, default=2.0, help="passes over the data (sets the schedule length)")
     t.add_argument("--batch-size", type=int, default=4, help="sequences per optimiser step")
+    t.add_argument("--micro-batch", type=int, default=None,
+                   help="sequences per forward (gradient accumulation over --batch-size); default: --batch-size")
     t.add_argument("--grad-clip", type=float, default=1.0, help="gradient norm clip")
-    t.add_argument("--fp32", action="store_true", help="no bf16 autocast")
+    t.add_argument("--fp32", action="store_true", help="no bf16 at all: fp32 weights and activations")
+    t.add_argument("--fp32-weights", action="store_true",
+                   help="keep the frozen base in fp32 under bf16 autocast (slower: recasts every weight each step)")
+    t.add_argument("--attention", choices=("auto", "dense", "blockwise", "flex"), default="auto",
+                   help="recipe attention: auto = flex on CUDA, blockwise per-block SDPA for pad/full, dense mask otherwise")
+    t.add_argument("--mask-later", type=float, default=0.0,
+                   help="noise bias in [0, 1]: mask later positions of each sub-block more often (0: uniform per block)")
+    t.add_argument("--sub-block-size", type=int, default=8, help="sub-block size that --mask-later ramps over")
+    t.add_argument("--certainty-weight", type=float, default=0.0,
+                   help="certainty forcing (dParallel): weight of the entropy of correctly predicted masked tokens")
+    t.add_argument("--certainty-temperature", type=float, default=0.5, help="softmax temperature of that entropy")
+    t.add_argument("--export-to", type=Path, default=None,
+                   help="at every checkpoint also write the adapter here in fp16 (split into parts if over --export-max-mib)")
+    t.add_argument("--export-max-mib", type=float, default=16.0, help="largest adapter file --export-to writes")
     t.add_argument("--seed", type=int, default=0, help="seeds data order, masks and LoRA init")
     t.add_argument("--save-every-s", type=float, default=240.0, help="checkpoint at least this often (seconds)")
     t.add_argument("--save-every-steps", type=int, default=0, help="also checkpoint every N steps (0: off)")
@@ -199,6 +252,25 @@ def parser() -> argparse.ArgumentParser:
                    help="new run only: start from the adapter weights of this checkpoint (fresh optimiser/schedule)")
     t.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     t.set_defaults(func=cmd_train)
+
+    h = sub.add_parser("throughput", formatter_class=fmt,
+                       help="training throughput of trainer variants, measured interleaved -> JSON")
+    h.add_argument("--data", type=Path, default=DATA / "distill.jsonl", help="training data")
+    h.add_argument("--variants", default="before,after",
+                   help="comma list of: before (fp32 weights + autocast, dense mask), bf16_weights, after, "
+                        "b16_micro4 (after, 16 sequences a step in length-sorted micro-batches of 4), fp32")
+    h.add_argument("--rounds", type=int, default=3, help="timed steps per variant (interleaved)")
+    h.add_argument("--warmup", type=int, default=1, help="untimed steps per variant first")
+    h.add_argument("--batch-size", type=int, default=4, help="sequences per step")
+    h.add_argument("--micro-batch", type=int, default=None, help="sequences per forward")
+    h.add_argument("--max-len", type=int, default=256, help="tokens kept per sequence")
+    h.add_argument("--rank", type=int, default=32, help="LoRA rank")
+    h.add_argument("--profile", action="store_true", help="add the top operators of one profiled step per variant")
+    h.add_argument("--padding", action="store_true",
+                   help="instead: count model tokens per answer token for batch/micro-batch shapes (no model, no timing)")
+    h.add_argument("--out", type=Path, default=Path("bench/results/train_throughput.json"), help="JSON report")
+    h.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    h.set_defaults(func=cmd_throughput)
 
     e = sub.add_parser("export", formatter_class=fmt, help="write the adapter the engine loads from a checkpoint")
     e.add_argument("--run", type=Path, default=Path("runs/train"), help="run directory")

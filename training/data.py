@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable, Iterable, Sequence
 
 
 @dataclass(slots=True)
@@ -73,3 +74,42 @@ def load_examples(path: Path, tok, stop_id: int, max_len: int, keep_truncated: b
                 ex = Example(ex.ids[:max_len], ex.prompt_len)
             out.append(ex)
     return out, stats
+
+
+Pairs = Iterable[tuple[Sequence[int], Sequence[int]]]  # (prompt_ids, answer_ids), answer through its stop token
+# Token-id sources by file suffix (e.g. ".npz" shards): a reader yields Pairs; anything else is chat JSONL.
+PAIR_READERS: dict[str, Callable[[Path], Pairs]] = {}
+
+
+def examples_from_pairs(pairs: Pairs, max_len: int, min_answer: int = 1) -> tuple[list[Example], dict[str, int]]:
+    """Already tokenized (prompt, answer) pairs -> examples cut to max_len, with the same counts as JSONL."""
+    out: list[Example] = []
+    stats = {"records": 0, "dropped_empty_answer": 0, "dropped_long_prompt": 0, "cut_to_max_len": 0}
+    for prompt, answer in pairs:
+        stats["records"] += 1
+        if len(answer) < min_answer:
+            stats["dropped_empty_answer"] += 1
+            continue
+        if len(prompt) + min_answer > max_len:
+            stats["dropped_long_prompt"] += 1
+            continue
+        ids = [int(t) for t in prompt] + [int(t) for t in answer]
+        if len(ids) > max_len:
+            stats["cut_to_max_len"] += 1
+            ids = ids[:max_len]
+        out.append(Example(ids, len(prompt)))
+    return out, stats
+
+
+def load_data(path: Path, tok, stop_id: int, max_len: int, keep_truncated: bool = True) -> tuple[list[Example], dict]:
+    """Examples from a registered token-id source (PAIR_READERS, by suffix; a directory: its files with a
+    registered suffix, in name order, e.g. shards) or from chat JSONL."""
+    if path.is_dir():
+        files = sorted(p for p in path.iterdir() if p.suffix in PAIR_READERS)
+        if not files:
+            raise ValueError(f"data: {path} holds no file with a registered suffix {sorted(PAIR_READERS)}")
+        return examples_from_pairs((pair for f in files for pair in PAIR_READERS[f.suffix](f)), max_len)
+    reader = PAIR_READERS.get(path.suffix)
+    if reader is not None:
+        return examples_from_pairs(reader(path), max_len)
+    return load_examples(path, tok, stop_id, max_len, keep_truncated)

@@ -3,6 +3,10 @@
 The bundled dLLM learns to decode in parallel what its own AR base would say, so its answers are the
 natural targets: no external data set, no licence beyond the base model's (Apache-2.0).
 Resumable: the output file is appended to and prompts already present are skipped.
+
+mode="diffusion" collects the dLLM's *own* decoding trajectories instead (the engine's block-diffusion
+decoder with an adapter, greedy, threshold): the data of the certainty-forcing stage (dParallel), where
+`train --certainty-weight` teaches the model to be confident on what it already decodes.
 """
 from __future__ import annotations
 
@@ -18,11 +22,18 @@ from tqdm import tqdm
 class DistillConfig:
     prompts: Path
     out: Path
-    model: str = "bundled-base"  # the AR base WITHOUT the adapter
+    model: str = "bundled-base"  # the AR base WITHOUT the adapter (mode "ar"); base + adapter for "diffusion"
     limit: int | None = None  # use only the first N prompts of the file
     batch_size: int = 24
     max_new_tokens: int = 160
     time_budget_s: float | None = None  # stop after the batch that crosses this wall time
+    mode: str = "ar"  # "ar": the base's answers; "diffusion": the dLLM's own trajectories
+    threshold: float = 0.9  # diffusion confidence threshold (mode "diffusion")
+    dtype: str | None = None  # engine weights/activations: None = the engine's default (fp32 CPU, bf16 CUDA)
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("ar", "diffusion"):
+            raise ValueError(f"mode must be 'ar' or 'diffusion' (got {self.mode!r})")
 
 
 def read_prompts(path: Path) -> list[str]:
@@ -60,14 +71,16 @@ def bucket_by_length(prompts: list[str], encode, window: int) -> list[str]:
     return out
 
 
-def record(prompt: str, answer: str, stop_reason: str, n_tokens: int) -> dict:
+def record(prompt: str, answer: str, stop_reason: str, n_tokens: int, **extra) -> dict:
     """One chat JSONL line; stop_reason lets the data loader drop answers cut at max_new_tokens."""
     return {"messages": [{"role": "user", "content": prompt}, {"role": "assistant", "content": answer}],
-            "stop_reason": stop_reason, "answer_tokens": n_tokens}
+            "stop_reason": stop_reason, "answer_tokens": n_tokens, **extra}
 
 
-def distill(cfg: DistillConfig) -> dict:
-    """Generate the missing answers batch by batch; returns throughput numbers for the log/model card."""
+def distill(cfg: DistillConfig, engine=None) -> dict:
+    """Generate the missing answers batch by batch; returns throughput numbers for the log/model card.
+
+    `engine`: an already loaded engine.Engine for cfg.model (else it is loaded here)."""
     from engine import Engine
 
     prompts = read_prompts(cfg.prompts)
@@ -75,9 +88,11 @@ def distill(cfg: DistillConfig) -> dict:
         prompts = prompts[:cfg.limit]
     done = done_prompts(cfg.out)
     todo = [p for p in prompts if p not in done]
-    engine = Engine.load(cfg.model)
+    engine = engine or Engine.load(cfg.model, dtype=cfg.dtype)
     todo = bucket_by_length(todo, engine.encode, cfg.batch_size * 8)
-    dcfg = engine.decode_config(mode="ar", max_new_tokens=cfg.max_new_tokens, temperature=0.0)
+    knobs = {"threshold": cfg.threshold} if cfg.mode == "diffusion" else {}
+    dcfg = engine.decode_config(mode=cfg.mode, max_new_tokens=cfg.max_new_tokens, temperature=0.0, **knobs)
+    extra = {"mode": cfg.mode, **knobs} if cfg.mode == "diffusion" else {}
     cfg.out.parent.mkdir(parents=True, exist_ok=True)
     t0, tokens, written, truncated = time.perf_counter(), 0, 0, 0
     bar = tqdm(total=len(todo), desc="distill", unit="prompt", dynamic_ncols=True)
@@ -87,7 +102,9 @@ def distill(cfg: DistillConfig) -> dict:
             results = engine.generate(batch, dcfg, record=False)
             for p, r in zip(batch, results):
                 s = r.summary
-                f.write(json.dumps(record(p, s.text, s.stop_reason, s.answer_tokens), ensure_ascii=False) + "\n")
+                rec = record(p, s.text, s.stop_reason, s.answer_tokens,
+                             **({**extra, "tokens_per_forward": round(s.tokens_per_forward, 3)} if extra else {}))
+                f.write(json.dumps(rec, ensure_ascii=False) + "\n")
                 tokens += s.answer_tokens
                 truncated += s.stop_reason != "stop_token"
             f.flush()

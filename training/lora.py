@@ -26,7 +26,8 @@ class LoRALinear(nn.Module):
         self.lora_B = nn.Parameter(torch.zeros(base.out_features, rank, device=base.weight.device))
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.base(x) + F.linear(F.linear(x, self.lora_A.to(x.dtype)), self.lora_B.to(x.dtype)) * self.scale
+        # scale folded into B: one small multiply instead of one over the whole [tokens, out] activation
+        return self.base(x) + F.linear(F.linear(x, self.lora_A.to(x.dtype)), (self.lora_B * self.scale).to(x.dtype))
 
 
 class ExtendedEmbedding(nn.Module):
@@ -68,8 +69,10 @@ def add_adapter(model: nn.Module, rank: int, alpha: float, seed: int, train_norm
     first = emb.num_embeddings if new_token_id is None else new_token_id
     model.model.embed_tokens = ExtendedEmbedding(emb, rows, first)
     for name, p in model.named_parameters():
-        p.requires_grad_(name.endswith(("lora_A", "lora_B", "embed_tokens.new"))
-                         or (train_norms and name.endswith("norm.weight")))
+        trainable = name.endswith(("lora_A", "lora_B", "embed_tokens.new")) or (train_norms and name.endswith("norm.weight"))
+        if trainable and p.dtype != torch.float32:
+            p.data = p.data.float()  # master copies (and AdamW state) in fp32 over a bf16 base
+        p.requires_grad_(trainable)
     return [n for n, p in model.named_parameters() if p.requires_grad]
 
 

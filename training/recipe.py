@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .attention import Blockwise, Flex, choose, dense_mask
 from .data import Example
 
 RECIPES = ("naive", "pad", "full")
@@ -28,13 +29,39 @@ class Batch:
 
     ids: Tensor  # [B, (V+1) L]
     pos: Tensor  # [B, (V+1) L]
-    mask: Tensor  # [B, 1, (V+1) L, (V+1) L] bool, True = may attend
+    visible: Tensor  # [B] real (+pad) length of each row; the attention rule hides keys past it
     logits_idx: Tensor  # [B, n] index into the row: view * L + (i - 1)
     targets: Tensor  # [B, n] token at i, IGNORE where the slot is padding
     views: int
     length: int  # L
+    block_size: int
     seq_tokens: int  # real prompt + answer tokens (what "tokens seen" counts)
+    answer_tokens: int
     loss_tokens: int
+
+    @property
+    def mask(self) -> Tensor:
+        """[B, 1, (V+1) L, (V+1) L] bool, True = may attend (the dense form of the rule)."""
+        return dense_mask(self.length, self.visible, self.views, self.block_size)
+
+    @property
+    def block_aligned(self) -> bool:
+        """Every block wholly real or wholly padding: what the blockwise attention needs."""
+        return bool((self.visible % self.block_size == 0).all())
+
+    def attention(self, impl: str) -> Tensor | Blockwise | Flex:
+        """What the model's `mask=` takes for this batch: the dense mask or a block-sparse attention."""
+        impl = choose(impl, self.ids.device, self.block_aligned)
+        if impl == "blockwise":
+            return Blockwise(self.length, self.views, self.block_size)
+        if impl == "flex":
+            return Flex(self.length, self.views, self.block_size, self.visible)
+        return self.mask
+
+    def to(self, device: torch.device) -> "Batch":
+        return Batch(self.ids.to(device), self.pos.to(device), self.visible.to(device), self.logits_idx.to(device),
+                     self.targets.to(device), self.views, self.length, self.block_size, self.seq_tokens,
+                     self.answer_tokens, self.loss_tokens)
 
 
 def padded_len(n: int, block_size: int, pad: bool) -> int:
@@ -42,13 +69,28 @@ def padded_len(n: int, block_size: int, pad: bool) -> int:
     return -(-n // block_size) * block_size if pad else n
 
 
-def draw_noise(ex: Example, block_size: int, gen: torch.Generator) -> Tensor:
-    """Per block t ~ U(0,1); each answer token is masked with probability t (prompt tokens never)."""
+def draw_noise(ex: Example, block_size: int, gen: torch.Generator, *, later: float = 0.0,
+               sub_block_size: int = 8) -> Tensor:
+    """Per block t ~ U(0,1); each answer token is masked with probability t (prompt tokens never).
+
+    later = λ in [0, 1] tilts the rate inside each sub-block into a ramp t * (1 + λ (2j/(s-1) - 1)) over
+    its positions j, clamped to [0, 1] (mean t until the clamp bites: at λ = 1 the overall rate is 0.44
+    instead of 0.5): later positions are masked more often, as they stay masked longer while
+    left-to-right sub-block decoding runs. λ = 0 is the paper's noise, draw for draw.
+    """
+    if not 0.0 <= later <= 1.0:
+        raise ValueError(f"later (mask-later bias) must be in [0, 1] (got {later})")
     n = len(ex.ids)
     blocks = -(-n // block_size)
     t = torch.rand(blocks, generator=gen)
     u = torch.rand(n, generator=gen)
-    masked = u < t.repeat_interleave(block_size)[:n]
+    rate = t.repeat_interleave(block_size)[:n]
+    if later:
+        if sub_block_size < 2 or block_size % sub_block_size:
+            raise ValueError(f"sub_block_size must be >= 2 and divide block_size {block_size} (got {sub_block_size})")
+        j = (torch.arange(n) % block_size % sub_block_size).float()
+        rate = (rate * (1 + later * (2 * j / (sub_block_size - 1) - 1))).clamp(0, 1)
+    masked = u < rate
     masked[:ex.prompt_len] = False
     return masked
 
@@ -69,18 +111,7 @@ def attention_mask(length: int, visible: int, views: int, block_size: int) -> Te
     Clean query, clean key of the same or an earlier block: allowed. Nothing else. Keys at positions
     >= visible (batch padding) are hidden; a padding query sees only itself (no empty softmax rows).
     """
-    idx = torch.arange((views + 1) * length)
-    seg, p = idx // length, idx % length
-    blk = p // block_size
-    sq, sk = seg[:, None], seg[None, :]
-    bq, bk = blk[:, None], blk[None, :]
-    clean = views
-    allowed = (sq == sk) & (bq == bk)
-    allowed |= (sq != clean) & (sk == clean) & (bk < bq)
-    allowed |= (sq == clean) & (sk == clean) & (bk <= bq)
-    allowed &= (p < visible)[None, :]
-    allowed |= torch.eye(len(idx), dtype=torch.bool) & (p >= visible)[:, None]
-    return allowed
+    return dense_mask(length, torch.tensor([visible]), views, block_size)[0, 0]
 
 
 def build_batch(examples: list[Example], noise: list[Tensor], *, recipe: str, block_size: int, mask_id: int,
@@ -92,7 +123,7 @@ def build_batch(examples: list[Example], noise: list[Tensor], *, recipe: str, bl
     nviews = 2 if complementary else 1
     vis = [padded_len(len(ex.ids), block_size, pad) for ex in examples]
     length = -(-max(vis) // block_size) * block_size
-    rows_ids, rows_mask, rows_idx, rows_tgt = [], [], [], []
+    rows_ids, rows_idx, rows_tgt = [], [], []
     for ex, m, visible in zip(examples, noise, vis):
         n = len(ex.ids)
         clean = torch.full((length,), pad_id, dtype=torch.long)
@@ -107,7 +138,6 @@ def build_batch(examples: list[Example], noise: list[Tensor], *, recipe: str, bl
             idx.append(v * length + where - 1)  # token shift: logits at i - 1 predict token i
             tgt.append(clean[where])
         rows_ids.append(torch.cat(segs + [clean]))
-        rows_mask.append(attention_mask(length, visible, nviews, block_size))
         rows_idx.append(torch.cat(idx))
         rows_tgt.append(torch.cat(tgt))
     width = max(1, max(len(i) for i in rows_idx))
@@ -115,12 +145,45 @@ def build_batch(examples: list[Example], noise: list[Tensor], *, recipe: str, bl
     targets = torch.stack([F.pad(t, (0, width - len(t)), value=IGNORE) for t in rows_tgt])
     ids = torch.stack(rows_ids)
     pos = torch.arange(length).repeat(nviews + 1)[None].expand(len(examples), -1).contiguous()
-    return Batch(ids, pos, torch.stack(rows_mask)[:, None], logits_idx, targets, nviews, length,
-                 seq_tokens=sum(len(ex.ids) for ex in examples), loss_tokens=int((targets != IGNORE).sum()))
+    return Batch(ids, pos, torch.tensor(vis), logits_idx, targets, nviews, length, block_size,
+                 seq_tokens=sum(len(ex.ids) for ex in examples), answer_tokens=sum(ex.answer_len for ex in examples),
+                 loss_tokens=int((targets != IGNORE).sum()))
 
 
-def batch_loss(model, batch: Batch) -> Tensor:
-    """Mean cross-entropy over the masked answer tokens of the batch (token shift via logits_idx)."""
-    logits = model(batch.ids, batch.pos, mask=batch.mask, logits_idx=batch.logits_idx)
-    return F.cross_entropy(logits.float().flatten(0, 1), batch.targets.flatten(), ignore_index=IGNORE,
-                           reduction="sum") / max(batch.loss_tokens, 1)
+@dataclass(frozen=True, slots=True)
+class LossConfig:
+    """Certainty forcing (dParallel): + weight x the entropy of softmax(logits / temperature) where the
+    model's argmax already equals the target, which pushes correct predictions to be confident ones
+    (what a threshold decoder needs to commit several tokens per forward). weight 0: the paper's loss."""
+
+    certainty_weight: float = 0.0
+    certainty_temperature: float = 0.5
+
+    def __post_init__(self) -> None:
+        if self.certainty_weight < 0:
+            raise ValueError(f"certainty_weight must be >= 0 (got {self.certainty_weight})")
+        if self.certainty_temperature <= 0:
+            raise ValueError(f"certainty_temperature must be > 0 (got {self.certainty_temperature})")
+
+
+def loss_parts(model, batch: Batch, attention: str = "auto", loss: LossConfig = LossConfig()) -> dict[str, Tensor]:
+    """{"loss", "ce"[, "entropy", "correct"]}: mean cross-entropy over the masked answer tokens (token shift
+    via logits_idx) plus, when asked, the certainty-forcing term over the correctly predicted ones."""
+    logits = model(batch.ids, batch.pos, mask=batch.attention(attention), logits_idx=batch.logits_idx)
+    logits = logits.float().flatten(0, 1)
+    targets = batch.targets.flatten()
+    ce = F.cross_entropy(logits, targets, ignore_index=IGNORE, reduction="sum") / max(batch.loss_tokens, 1)
+    if not loss.certainty_weight:
+        return {"loss": ce, "ce": ce}
+    keep = targets != IGNORE
+    logits, targets = logits[keep], targets[keep]
+    correct = logits.argmax(-1) == targets
+    logp = F.log_softmax(logits[correct] / loss.certainty_temperature, dim=-1)
+    entropy = -(logp.exp() * logp).sum(-1).sum() / correct.sum().clamp(min=1)
+    return {"loss": ce + loss.certainty_weight * entropy, "ce": ce, "entropy": entropy,
+            "correct": correct.float().mean()}
+
+
+def batch_loss(model, batch: Batch, attention: str = "auto", loss: LossConfig = LossConfig()) -> Tensor:
+    """The training loss of one batch (see loss_parts)."""
+    return loss_parts(model, batch, attention, loss)["loss"]

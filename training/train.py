@@ -1,8 +1,12 @@
-"""The training loop: AdamW + warm-up/cosine, bf16 autocast, checkpoints that resume exactly.
+"""The training loop: AdamW + warm-up/cosine, bf16, micro-batches, checkpoints that resume exactly.
 
 Exact resume: the data order of an epoch is a permutation drawn from (seed, epoch) alone, the noise has
 its own generator whose state is checkpointed, and a checkpoint holds the trainable tensors, AdamW and
 scheduler states, RNG states and the data position. Same threads + same data -> the same run.
+
+Precision (bf16 on): the frozen base weights are stored in bf16 and activations run in bf16 under
+autocast; the trainable tensors (LoRA A/B, the mask-token row, norms if trained) and AdamW's state stay
+fp32 masters, cast to bf16 where used; RMSNorm statistics, softmax and the loss are computed in fp32.
 """
 from __future__ import annotations
 
@@ -18,9 +22,11 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
+from . import adapter_io
+from .attention import IMPLS
 from .data import Example
-from .recipe import RECIPES, Batch, batch_loss, build_batch, draw_noise
 from .lora import add_adapter, trainable_state
+from .recipe import RECIPES, Batch, LossConfig, batch_loss, build_batch, draw_noise, loss_parts
 
 
 @dataclass
@@ -40,9 +46,18 @@ class TrainConfig:
     warmup_steps: int = 10
     min_lr_ratio: float = 0.1
     epochs: float = 2.0
-    batch_size: int = 4
+    batch_size: int = 4  # sequences per optimiser step
+    micro_batch: int | None = None  # sequences per forward (gradient accumulation); None: batch_size
     grad_clip: float = 1.0
     bf16: bool = True
+    bf16_weights: bool = True  # store the frozen base in bf16 (with bf16 on); False: fp32 weights + autocast
+    attention: str = "auto"  # training.attention: auto | dense | blockwise | flex
+    mask_later: float = 0.0  # noise: mask later positions of a sub-block more often (recipe.draw_noise)
+    sub_block_size: int = 8
+    certainty_weight: float = 0.0  # certainty forcing (recipe.LossConfig); 0: the paper's loss
+    certainty_temperature: float = 0.5
+    export_to: Path | None = None  # at every checkpoint, also write the adapter here (fp16, in parts)
+    export_max_mib: float = 16.0
     seed: int = 0
     save_every_s: float = 240.0
     save_every_steps: int = 0
@@ -59,6 +74,26 @@ class TrainConfig:
             raise ValueError(f"recipe must be one of {RECIPES} (got {self.recipe!r})")
         if self.max_len % self.block_size:
             raise ValueError(f"max_len ({self.max_len}) must be a multiple of block_size ({self.block_size})")
+        if self.attention not in IMPLS:
+            raise ValueError(f"attention must be one of {IMPLS} (got {self.attention!r})")
+        if self.rank < 1:
+            raise ValueError(f"rank must be >= 1 (got {self.rank})")
+        if self.batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1 (got {self.batch_size})")
+        micro = self.micro_batch or self.batch_size
+        if micro < 1 or self.batch_size % micro:
+            raise ValueError(f"micro_batch must be >= 1 and divide batch_size {self.batch_size} (got {micro})")
+        if not 0.0 <= self.mask_later <= 1.0:
+            raise ValueError(f"mask_later must be in [0, 1] (got {self.mask_later})")
+        if self.mask_later and (self.sub_block_size < 2 or self.block_size % self.sub_block_size):
+            raise ValueError(f"sub_block_size must be >= 2 and divide block_size {self.block_size} "
+                             f"(got {self.sub_block_size})")
+        if self.export_max_mib <= 0:
+            raise ValueError(f"export_max_mib must be > 0 (got {self.export_max_mib})")
+        self.loss_config()  # validates the certainty-forcing settings
+
+    def loss_config(self) -> LossConfig:
+        return LossConfig(self.certainty_weight, self.certainty_temperature)
 
 
 def lr_factor(step: int, warmup: int, total: int, floor: float) -> float:
@@ -77,9 +112,17 @@ class Trainer:
         self.cfg, self.model, self.examples, self.val = cfg, model, examples, val or []
         self.mask_id, self.pad_id = mask_id, pad_id
         self.base_vocab = model.model.embed_tokens.num_embeddings
+        self.loss_cfg = cfg.loss_config()
+        if cfg.export_to is not None and mask_id < self.base_vocab:
+            raise ValueError("export_to: the mask token overrides a spare embedding row (Qwen2.5); "
+                             "use `python -m training export`, which writes the whole embedding")
+        if cfg.bf16 and cfg.bf16_weights:
+            for p in model.parameters():  # parameters only: the rotary inv_freq buffer stays fp32
+                p.data = p.data.to(torch.bfloat16)
         self.names = add_adapter(model, cfg.rank, cfg.alpha, cfg.seed, cfg.train_norms, new_token_id=mask_id)
         self.params = [p for n, p in model.named_parameters() if p.requires_grad]
-        self.opt = torch.optim.AdamW(self.params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.99))
+        self.opt = torch.optim.AdamW(self.params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.99),
+                                     fused=self.params[0].is_cuda or None)  # one kernel for ~200 LoRA tensors
         self.steps_per_epoch = max(1, len(examples) // cfg.batch_size)
         self.total_steps = max(1, math.ceil(cfg.epochs * self.steps_per_epoch))
         self.sched = torch.optim.lr_scheduler.LambdaLR(
@@ -90,19 +133,39 @@ class Trainer:
         self.loss_tokens = 0
         self.elapsed = 0.0  # training wall time over all processes of this run
         self.history: list[dict] = []
+        self.exported_step: int | None = None
 
     # ------------------------------------------------------------------ data
     def order(self, epoch: int) -> list[int]:
         g = torch.Generator().manual_seed(self.cfg.seed * 1_000_003 + epoch)
         return torch.randperm(len(self.examples), generator=g).tolist()
 
-    def next_batch(self) -> Batch:
+    def step_examples(self) -> list[Example]:
         epoch, k = divmod(self.step, self.steps_per_epoch)
         idx = self.order(epoch)[k * self.cfg.batch_size:(k + 1) * self.cfg.batch_size]
-        exs = [self.examples[i] for i in idx]
-        noise = [draw_noise(ex, self.cfg.block_size, self.noise_gen) for ex in exs]
+        return [self.examples[i] for i in idx]
+
+    def make_batch(self, exs: list[Example], noise: list) -> Batch:
         return build_batch(exs, noise, recipe=self.cfg.recipe, block_size=self.cfg.block_size,
                            mask_id=self.mask_id, pad_id=self.pad_id)
+
+    def draw(self, ex: Example, gen: torch.Generator):
+        return draw_noise(ex, self.cfg.block_size, gen, later=self.cfg.mask_later, sub_block_size=self.cfg.sub_block_size)
+
+    def next_batches(self) -> list[Batch]:
+        """The step's sequences (noise drawn in data order), as micro-batches of similar length.
+
+        Sorting inside the step cuts the padding to each micro-batch's longest row without changing
+        which sequences or noise the step trains on.
+        """
+        exs = self.step_examples()
+        noise = [self.draw(ex, self.noise_gen) for ex in exs]
+        micro = self.cfg.micro_batch or self.cfg.batch_size
+        if micro == len(exs):
+            return [self.make_batch(exs, noise)]
+        order = sorted(range(len(exs)), key=lambda i: len(exs[i].ids))
+        return [self.make_batch([exs[i] for i in order[j:j + micro]], [noise[i] for i in order[j:j + micro]])
+                for j in range(0, len(order), micro)]
 
     def autocast(self):
         return torch.autocast("cpu" if self.device.type == "cpu" else self.device.type, dtype=torch.bfloat16,
@@ -114,23 +177,33 @@ class Trainer:
 
     # ------------------------------------------------------------------ one step
     def train_step(self) -> dict:
+        """One optimiser step over the step's micro-batches; the gradient is that of the whole batch."""
         self.model.train()
-        batch = self.next_batch()
-        b = _to(batch, self.device)
-        with self.autocast():
-            loss = batch_loss(self.model, b)
+        batches = self.next_batches()
+        total = max(sum(b.loss_tokens for b in batches), 1)
         self.opt.zero_grad(set_to_none=True)
-        loss.backward()
+        parts: dict[str, float] = {}
+        for batch in batches:
+            with self.autocast():
+                out = loss_parts(self.model, batch.to(self.device), self.cfg.attention, self.loss_cfg)
+            weight = batch.loss_tokens / total  # micro-batch means -> the mean over the whole step
+            (out["loss"] * weight).backward()
+            for k, v in out.items():
+                parts[k] = parts.get(k, 0.0) + v.item() * weight
         gnorm = torch.nn.utils.clip_grad_norm_(self.params, self.cfg.grad_clip)
         lr = self.opt.param_groups[0]["lr"]
         self.opt.step()
         self.sched.step()
         self.step += 1
-        self.tokens_seen += batch.seq_tokens
-        self.loss_tokens += batch.loss_tokens
-        rec = {"step": self.step, "loss": round(loss.item(), 5), "lr": lr, "grad_norm": round(float(gnorm), 4),
-               "seq_tokens": batch.seq_tokens, "forward_tokens": int(batch.ids.numel()),
-               "loss_tokens": batch.loss_tokens, "tokens_seen": self.tokens_seen}
+        seq = sum(b.seq_tokens for b in batches)
+        self.tokens_seen += seq
+        self.loss_tokens += total
+        rec = {"step": self.step, "loss": round(parts.pop("loss"), 5), "lr": lr, "grad_norm": round(float(gnorm), 4),
+               "seq_tokens": seq, "answer_tokens": sum(b.answer_tokens for b in batches),
+               "forward_tokens": sum(int(b.ids.numel()) for b in batches),
+               "loss_tokens": total, "tokens_seen": self.tokens_seen}
+        if self.loss_cfg.certainty_weight:
+            rec.update({k: round(v, 5) for k, v in parts.items()})
         self.history.append(rec)
         return rec
 
@@ -144,11 +217,9 @@ class Trainer:
         total, count = 0.0, 0
         for i in range(0, len(self.val), self.cfg.batch_size):
             exs = self.val[i:i + self.cfg.batch_size]
-            noise = [draw_noise(ex, self.cfg.block_size, gen) for ex in exs]
-            batch = build_batch(exs, noise, recipe=self.cfg.recipe, block_size=self.cfg.block_size,
-                                mask_id=self.mask_id, pad_id=self.pad_id)
+            batch = self.make_batch(exs, [self.draw(ex, gen) for ex in exs])
             with self.autocast():
-                total += batch_loss(self.model, _to(batch, self.device)).item() * batch.loss_tokens
+                total += batch_loss(self.model, batch.to(self.device), self.cfg.attention).item() * batch.loss_tokens
             count += batch.loss_tokens
         return total / max(count, 1)
 
@@ -199,7 +270,19 @@ class Trainer:
         os.replace(run / "latest.tmp", run / "latest")
         for old in sorted(run.glob("ckpt-*.pt"))[:-keep]:
             old.unlink()
+        if self.cfg.export_to is not None:
+            self.export(self.cfg.export_to)
         return path
+
+    def export(self, out: Path) -> list[Path]:
+        """The current adapter in fp16, in parts of <= export_max_mib (what a lost GPU machine leaves us)."""
+        cfg = self.cfg
+        meta = {"base": str(cfg.model), "recipe": cfg.recipe, "block_size": str(cfg.block_size),
+                "rank": str(cfg.rank), "alpha": str(cfg.alpha), "step": str(self.step),
+                "total_steps": str(self.total_steps), "tokens_seen": str(self.tokens_seen)}
+        tensors = adapter_io.flat_tensors(trainable_state(self.model))
+        self.exported_step = self.step
+        return adapter_io.write(out, tensors, cfg.alpha / cfg.rank, meta, int(cfg.export_max_mib * 2**20))
 
     # ------------------------------------------------------------------ loop
     def run(self, run: Path) -> None:
@@ -207,7 +290,7 @@ class Trainer:
         stop_at = min(self.total_steps, cfg.max_steps if cfg.max_steps is not None else self.total_steps)
         t_start = time.perf_counter()
         last_save = t_start
-        tok0, t_seg = self.tokens_seen, t_start
+        tok0, answers, t_seg = self.tokens_seen, 0, t_start
         run.mkdir(parents=True, exist_ok=True)
         log = (run / "log.jsonl").open("a")
         bar = tqdm(total=self.total_steps, initial=self.step, desc="train", unit="step", dynamic_ncols=True,
@@ -220,11 +303,13 @@ class Trainer:
             self.elapsed += now - t0
             rec["elapsed_s"] = round(self.elapsed, 1)
             ema = rec["loss"] if ema is None else 0.9 * ema + 0.1 * rec["loss"]
+            answers += rec["answer_tokens"]
             tok_s = (self.tokens_seen - tok0) / max(now - t_seg, 1e-9)
+            ans_s = answers / max(now - t_seg, 1e-9)
             log.write(json.dumps(rec) + "\n")
             log.flush()
             bar.update(1)
-            bar.set_postfix(loss=f"{ema:.3f}", tok_s=f"{tok_s:.0f}", lr=f"{rec['lr']:.1e}")
+            bar.set_postfix(loss=f"{ema:.3f}", tok_s=f"{tok_s:.0f}", answer_tok_s=f"{ans_s:.0f}", lr=f"{rec['lr']:.1e}")
             out_of_time = cfg.minutes is not None and now - t_start > cfg.minutes * 60
             due = now - last_save > cfg.save_every_s or (cfg.save_every_steps and self.step % cfg.save_every_steps == 0)
             if due or out_of_time or self.step >= stop_at:
@@ -239,13 +324,8 @@ class Trainer:
                 break
         bar.close()
         log.close()
-
-
-def _to(batch: Batch, device: torch.device) -> Batch:
-    if device.type == "cpu":
-        return batch
-    return Batch(batch.ids.to(device), batch.pos.to(device), batch.mask.to(device), batch.logits_idx.to(device),
-                 batch.targets.to(device), batch.views, batch.length, batch.seq_tokens, batch.loss_tokens)
+        if cfg.export_to is not None and self.exported_step != self.step:
+            self.export(cfg.export_to)  # a command with nothing left to train still hands back the adapter
 
 
 def latest_checkpoint(run: Path) -> Path | None:
@@ -256,7 +336,7 @@ def latest_checkpoint(run: Path) -> Path | None:
 def train(cfg: TrainConfig) -> Trainer:
     """Load the base and data, resume from the run directory when it has a checkpoint, train."""
     from engine.loading import load_tokenizer, resolve_source, build_model
-    from .data import load_examples
+    from .data import load_data
 
     source = resolve_source(cfg.model)
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -267,7 +347,7 @@ def train(cfg: TrainConfig) -> Trainer:
     if mask_id > model.cfg.vocab_size:
         raise ValueError(f"mask token id {mask_id} leaves a gap after the {model.cfg.vocab_size} embedding rows")
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else stop_id
-    examples, stats = load_examples(cfg.data, tok, stop_id, cfg.max_len, cfg.keep_truncated)
+    examples, stats = load_data(cfg.data, tok, stop_id, cfg.max_len, cfg.keep_truncated)
     if cfg.limit is not None:
         examples = examples[:cfg.limit]
     val = examples[len(examples) - cfg.val_size:] if cfg.val_size else []

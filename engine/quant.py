@@ -1,0 +1,394 @@
+"""4-bit weights at run time: the bundled GGUF's Q4_1 blocks, kept 4-bit, through torch's int4 CPU kernel.
+
+A Q4_1 block stores 32 weights as q in 0..15 with an fp16 scale d and minimum m: w = d*q + m
+= d*(q - 8) + (m + 8d), which is exactly torch's int4 weight-only format with group size 32
+(`aten._weight_int4pack_mm_for_cpu`: w = (q - 8) * scale + zero). The kernel wants bf16 activations and
+bf16 scales/zeros, so the only change to the weights is d and m + 8d rounded to bf16 (relative 2^-9, far
+below the 4-bit step itself). The residual stream, norms, RoPE and attention stay in the model dtype (fp32).
+
+Cost on this CPU (DESIGN.md section 9; `bench forward --variants weights=int4,weights=bf16 --widths ...`):
+the int4 kernel streams 1/8 of fp32's bytes, so a 1-token (AR) product is ~5x cheaper, but its cost grows with the
+rows k, while dense bf16 (AMX) stays flat from k = 1 to 32. So the default ("int4+bf16") keeps a dense bf16
+copy next to the int4 blocks and switches per call: int4 below `wide_rows` rows, dense bf16 from there.
+
+The dLLM's LoRA adapter stays a separate low-rank path (x A^T) B^T on top of the shared base weights:
+base and dLLM share one copy of the 4-bit weights, and no merged weight is re-quantised.
+The tied embedding / LM head is Q8_0 in the file: lookups dequantise the int8 rows they read; the LM head
+runs as two int4 products (q = 16 hi + lo) for 1-3 rows and as dense bf16 (Q8_0 rounded to bf16) for more.
+
+FASTDLLM_WEIGHTS picks the projection weights of the bundled model on CPU: int4+bf16 (default), int4, bf16,
+fp32 (today's dequantised path). FASTDLLM_INT4_WIDE_ROWS sets the switch point of int4+bf16.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .model import CausalLM
+
+MODES = ("int4+bf16", "int4", "bf16", "fp32")
+DEFAULT_MODE = "int4+bf16"
+HEAD_WIDE_ROWS = 4  # LM head: int4 planes below, dense bf16 from here (7.4 vs 14.8 ms at 1 row, 25.5 vs 20.7 at 8)
+DEFAULT_WIDE_ROWS = 16  # int4 and dense bf16 cost about the same at k = 12..16 here (bench forward --widths); see README
+GROUP = 32  # Q4_1 / Q8_0 block size
+_Q4_1_BYTES = 20  # fp16 d, fp16 m, 16 bytes of nibbles
+_Q8_0_BYTES = 34  # fp16 d, 32 int8
+
+
+@dataclass(frozen=True, slots=True)
+class WeightPolicy:
+    """Which weights the projections run with: `mode` in MODES; `wide_rows`: int4+bf16's switch point."""
+
+    mode: str = DEFAULT_MODE
+    wide_rows: int = DEFAULT_WIDE_ROWS
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"FASTDLLM_WEIGHTS: {self.mode!r} is not one of {', '.join(MODES)}")
+        if self.wide_rows < 2:
+            raise ValueError(f"FASTDLLM_INT4_WIDE_ROWS: {self.wide_rows} must be >= 2")
+
+    @classmethod
+    def from_env(cls) -> "WeightPolicy":
+        mode = os.environ.get("FASTDLLM_WEIGHTS", "").strip() or DEFAULT_MODE
+        raw = os.environ.get("FASTDLLM_INT4_WIDE_ROWS", "").strip()
+        try:
+            wide = int(raw) if raw else DEFAULT_WIDE_ROWS
+        except ValueError:
+            raise ValueError(f"FASTDLLM_INT4_WIDE_ROWS: {raw!r} is not an integer >= 2") from None
+        return cls(mode, wide)
+
+
+# ---- reading the GGUF ---------------------------------------------------------------------------------
+
+@dataclass(slots=True)
+class Q4Blocks:
+    """One Q4_1 matrix [out, in]: q (uint8 0..15), per-group d and m (fp32) [out, in / 32]."""
+
+    q: Tensor
+    d: Tensor
+    m: Tensor
+
+    def dequantize(self) -> Tensor:
+        n, k = self.q.shape
+        w = self.q.view(n, k // GROUP, GROUP).float() * self.d[..., None] + self.m[..., None]
+        return w.view(n, k)
+
+    def rows(self, perm: Tensor) -> "Q4Blocks":
+        return Q4Blocks(self.q[perm], self.d[perm], self.m[perm])
+
+
+def _q4_1(raw: Tensor, out: int, inp: int) -> Q4Blocks:
+    b = raw.view(out, inp // GROUP, _Q4_1_BYTES)
+    d = b[..., 0:2].contiguous().view(torch.float16)[..., 0].float()
+    m = b[..., 2:4].contiguous().view(torch.float16)[..., 0].float()
+    qs = b[..., 4:]
+    q = torch.cat([qs & 15, qs >> 4], -1)  # weight j in the low nibble of byte j, weight j + 16 in its high one
+    return Q4Blocks(q.reshape(out, inp), d, m)
+
+
+def _q8_0(raw: Tensor, out: int, inp: int) -> tuple[Tensor, Tensor]:
+    b = raw.view(out, inp // GROUP, _Q8_0_BYTES)
+    d = b[..., 0:2].contiguous().view(torch.float16)[..., 0].float()
+    return b[..., 2:].contiguous().view(torch.int8).reshape(out, inp), d
+
+
+def _unpermute(n_head: int, rows: int) -> Tensor:
+    """llama.cpp's converter interleaves the rotary halves of q/k rows; this row order undoes it (as
+    transformers' GGUF loader does)."""
+    half = rows // n_head // 2
+    return torch.arange(rows).view(n_head, half, 2).transpose(1, 2).reshape(rows)
+
+
+GGUF_NAMES = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+              "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+              "ffn_down": "mlp.down_proj"}
+
+
+@dataclass(slots=True)
+class GGUFWeights:
+    """The Q4_1 projections by our parameter name (without '.weight') and the Q8_0 embedding."""
+
+    q4: dict[str, Q4Blocks]
+    embed_q: Tensor  # int8 [vocab, hidden]
+    embed_d: Tensor  # fp32 [vocab, hidden / 32]
+
+
+def read_gguf(path: Path, n_head: int, n_kv_head: int) -> GGUFWeights:
+    import gguf
+
+    reader = gguf.GGUFReader(str(path))
+    q4: dict[str, Q4Blocks] = {}
+    embed = None
+    for t in reader.tensors:
+        if len(t.shape) != 2:  # norms: read from the converted checkpoint like every other tensor
+            continue
+        inp, out = (int(x) for x in t.shape)  # GGUF lists dims innermost first
+        raw = torch.from_numpy(t.data.copy()).view(torch.uint8)
+        if t.name == "token_embd.weight":
+            if t.tensor_type != gguf.GGMLQuantizationType.Q8_0:
+                raise ValueError(f"gguf: token_embd is {t.tensor_type.name}, expected Q8_0")
+            embed = _q8_0(raw, out, inp)
+            continue
+        parts = t.name.split(".")
+        if parts[0] != "blk" or parts[2] not in GGUF_NAMES:
+            continue
+        if t.tensor_type != gguf.GGMLQuantizationType.Q4_1:
+            raise ValueError(f"gguf: {t.name} is {t.tensor_type.name}, expected Q4_1")
+        blocks = _q4_1(raw, out, inp)
+        if parts[2] in ("attn_q", "attn_k"):
+            blocks = blocks.rows(_unpermute(n_head if parts[2] == "attn_q" else n_kv_head, out))
+        q4[f"model.layers.{parts[1]}.{GGUF_NAMES[parts[2]]}"] = blocks
+    if embed is None:
+        raise ValueError(f"gguf: {path} has no token_embd.weight")
+    return GGUFWeights(q4, *embed)
+
+
+def cached_gguf(path: Path, n_head: int, n_kv_head: int, cache: Path) -> GGUFWeights:
+    """read_gguf, memoised as a safetensors file (GGUFReader spends ~10 s parsing the tokenizer fields)."""
+    from safetensors.torch import load_file, save_file
+
+    if cache.exists():
+        t = load_file(str(cache))
+        names = {k.rsplit(".", 1)[0] for k in t if k.startswith("model.")}
+        q4 = {n: Q4Blocks(t[n + ".q"], t[n + ".d"].float(), t[n + ".m"].float()) for n in names}
+        return GGUFWeights(q4, t["embed.q"], t["embed.d"].float())
+    w = read_gguf(path, n_head, n_kv_head)
+    t = {"embed.q": w.embed_q, "embed.d": w.embed_d.half()}  # d and m are fp16 in the file: stored exactly
+    for n, b in w.q4.items():
+        t.update({n + ".q": b.q.contiguous(), n + ".d": b.d.half(), n + ".m": b.m.half()})
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    tmp = cache.with_name(cache.name + f".tmp{os.getpid()}")
+    save_file(t, str(tmp))
+    tmp.replace(cache)
+    return w
+
+
+# ---- run-time modules -----------------------------------------------------------------------------------
+
+class Int4Weight(nn.Module):
+    """One (fused) projection's base weight: int4-packed blocks, and a dense bf16 copy for wide calls."""
+
+    def __init__(self, blocks: Q4Blocks, dense_bf16: bool):
+        super().__init__()
+        self.out_features, self.in_features = blocks.q.shape
+        self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(blocks.q.int(), 1))
+        zero = blocks.m + 8 * blocks.d
+        self.register_buffer("scale_zero", torch.stack([blocks.d, zero], -1).transpose(0, 1).contiguous().bfloat16())
+        # Dense copy from the same bf16 scales/zeros, so both paths compute with the same weights.
+        dense = blocks.q.view(self.out_features, -1, GROUP).float() - 8
+        sz = self.scale_zero.float().transpose(0, 1)  # [out, groups, 2]
+        dense = (dense * sz[..., 0:1] + sz[..., 1:2]).view(self.out_features, self.in_features)
+        self.register_buffer("dense", dense.bfloat16() if dense_bf16 else None)
+
+
+class LoRA(nn.Module):
+    """A fused low-rank delta: x -> (x A^T) B^T, B block-diagonal over the fused outputs, scale folded in."""
+
+    def __init__(self, pairs: list[tuple[Tensor, Tensor]], scale: float):
+        super().__init__()
+        a = torch.cat([p[0].float() for p in pairs], 0)  # [sum r, in]
+        b = torch.block_diag(*[p[1].float() for p in pairs]) * scale  # [sum out, sum r]
+        self.register_buffer("a_t", a.t().contiguous())
+        self.register_buffer("b_t", b.t().contiguous())
+
+    def forward(self, x: Tensor) -> Tensor:
+        return ((x.to(self.a_t.dtype) @ self.a_t) @ self.b_t).to(x.dtype)
+
+
+class Int4Linear(nn.Module):
+    """y = x W^T (+ LoRA) with W 4-bit; `splits` = widths of the fused outputs (q|k|v, gate|up)."""
+
+    def __init__(self, weight: Int4Weight, splits: list[int], wide_rows: int | None, lora: LoRA | None = None):
+        super().__init__()
+        self.weight = weight  # shared between the AR base and the dLLM
+        self.splits = splits
+        self.wide_rows = wide_rows  # None: int4 at every width
+        self.lora = lora
+
+    def forward(self, x: Tensor) -> Tensor:
+        w = self.weight
+        x2 = x.reshape(-1, w.in_features)
+        xb = x2.to(torch.bfloat16)
+        if self.wide_rows is not None and x2.shape[0] >= self.wide_rows:
+            y = F.linear(xb, w.dense)
+        else:
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(xb, w.packed, GROUP, w.scale_zero)
+        y = y.to(x.dtype)
+        if self.lora is not None:
+            y = y + self.lora(x2)
+        return y.view(*x.shape[:-1], w.out_features)
+
+
+class DenseBF16Linear(nn.Module):
+    """y = x W^T with W dense bf16 (the "bf16" mode's projections and every mode's LM head)."""
+
+    def __init__(self, weight: Tensor, splits: list[int], lora: LoRA | None = None):
+        super().__init__()
+        self.register_buffer("weight", weight.bfloat16().contiguous())
+        self.splits = splits
+        self.lora = lora
+
+    def forward(self, x: Tensor) -> Tensor:
+        y = F.linear(x.to(torch.bfloat16), self.weight).to(x.dtype)
+        return y + self.lora(x) if self.lora is not None else y
+
+
+def q8_planes(q: Tensor, d: Tensor) -> tuple[Q4Blocks, Q4Blocks]:
+    """A Q8_0 matrix as two int4 matrices whose products add up to it: q = 16 hi + lo, hi in -8..7, lo in 0..15."""
+    q = q.int()
+    hi, lo = q >> 4, q & 15
+    return Q4Blocks(hi + 8, 16 * d, -128 * d), Q4Blocks(lo, d, torch.zeros_like(d))
+
+
+class LMHead(nn.Module):
+    """Logits over the file's vocabulary plus the adapter's new rows (fp32), if any. The Q8_0 head runs as two
+    int4 products (exact but for bf16 scales) below `HEAD_WIDE_ROWS` rows: 2x faster than dense bf16 for
+    the AR step, whose bf16 matrix-vector product streams poorly; dense bf16 for wider calls."""
+
+    def __init__(self, planes: tuple[Int4Weight, Int4Weight], weight: Tensor, extra_rows: Tensor | None):
+        super().__init__()
+        self.hi, self.lo = planes
+        self.register_buffer("weight", weight)
+        self.register_buffer("extra", extra_rows)
+
+    def forward(self, x: Tensor) -> Tensor:
+        x2 = x.reshape(-1, x.shape[-1])
+        xb = x2.to(torch.bfloat16)
+        if x2.shape[0] < HEAD_WIDE_ROWS:
+            mm = torch.ops.aten._weight_int4pack_mm_for_cpu
+            y = mm(xb, self.hi.packed, GROUP, self.hi.scale_zero).to(x.dtype)
+            y += mm(xb, self.lo.packed, GROUP, self.lo.scale_zero)
+        else:
+            y = F.linear(xb, self.weight).to(x.dtype)
+        if self.extra is not None:
+            y = torch.cat([y, F.linear(x2.to(self.extra.dtype), self.extra).to(y.dtype)], -1)
+        return y.view(*x.shape[:-1], y.shape[-1])
+
+
+class Q8Embedding(nn.Module):
+    """The Q8_0 embedding as stored (int8 + per-32 scales); a lookup dequantises only the rows it reads.
+    Rows past the file's vocabulary (the adapter's mask token) are kept in fp32."""
+
+    def __init__(self, q: Tensor, d: Tensor, extra_rows: Tensor | None, dtype: torch.dtype):
+        super().__init__()
+        self.register_buffer("q", q)
+        self.register_buffer("d", d)
+        self.register_buffer("extra", extra_rows)
+        self.dtype = dtype
+
+    def forward(self, ids: Tensor) -> Tensor:
+        v = self.q.shape[0]
+        inside = ids.clamp(max=v - 1)
+        x = (self.q[inside].view(*ids.shape, -1, GROUP).to(self.dtype) * self.d[inside][..., None].to(self.dtype))
+        x = x.flatten(-2)
+        if self.extra is not None and bool((ids >= v).any()):
+            x = torch.where((ids >= v)[..., None], self.extra[(ids - v).clamp(min=0)].to(self.dtype), x)
+        return x
+
+
+# ---- assembling a model ---------------------------------------------------------------------------------
+
+FUSED = {"qkv": ("self_attn", ("q_proj", "k_proj", "v_proj")), "o_proj": ("self_attn", ("o_proj",)),
+         "gate_up": ("mlp", ("gate_proj", "up_proj")), "down_proj": ("mlp", ("down_proj",))}
+
+
+def _fused_blocks(w: GGUFWeights, layer: int, sub: str, names: tuple[str, ...]) -> Q4Blocks:
+    parts = [w.q4[f"model.layers.{layer}.{sub}.{n}"] for n in names]
+    return Q4Blocks(*(torch.cat([getattr(p, f) for p in parts], 0) for f in ("q", "d", "m")))
+
+
+def read_lora(tensors: dict[str, Tensor]) -> dict[str, tuple[Tensor, Tensor]]:
+    """name (without '.weight') -> (A [r, in], B [out, r]) from an adapter file's tensors."""
+    return {k[len("lora_A."):-len(".weight")]: (t, tensors["lora_B." + k[len("lora_A."):]])
+            for k, t in tensors.items() if k.startswith("lora_A.")}
+
+
+class QuantizedPair:
+    """Builds the 4-bit AR base and (optionally) the dLLM on top of the same shared weights."""
+
+    def __init__(self, weights: GGUFWeights, policy: WeightPolicy):
+        self.w, self.policy = weights, policy
+        self._shared: dict[tuple[int, str], nn.Module] = {}
+        head = (weights.embed_q.float().view(weights.embed_q.shape[0], -1, GROUP) * weights.embed_d[..., None])
+        self.head_bf16 = head.flatten(1).bfloat16()
+        self.head_planes = tuple(Int4Weight(p, dense_bf16=False) for p in q8_planes(weights.embed_q, weights.embed_d))
+
+    def _weight(self, layer: int, key: str) -> nn.Module:
+        sub, names = FUSED[key]
+        if (layer, key) not in self._shared:
+            blocks = _fused_blocks(self.w, layer, sub, names)
+            if self.policy.mode == "bf16":
+                self._shared[(layer, key)] = DenseBF16Linear(blocks.dequantize(), [])
+            else:
+                self._shared[(layer, key)] = Int4Weight(blocks, dense_bf16=self.policy.mode == "int4+bf16")
+        return self._shared[(layer, key)]
+
+    def apply(self, model: CausalLM, lora: dict[str, tuple[Tensor, Tensor]] | None = None, lora_scale: float = 1.0,
+              extra_rows: Tensor | None = None) -> CausalLM:
+        """Replace `model`'s projections, LM head and embedding in place (its dense weights are dropped)."""
+        wide = self.policy.wide_rows if self.policy.mode == "int4+bf16" else None
+        for i, layer in enumerate(model.model.layers):
+            for key, (sub, names) in FUSED.items():
+                owner = getattr(layer, sub)
+                full = [f"model.layers.{i}.{sub}.{n}" for n in names]
+                splits = [self.w.q4[f].q.shape[0] for f in full]
+                delta = None
+                if lora is not None and any(f in lora for f in full):
+                    pairs = [lora.get(f) or (torch.zeros(1, self.w.q4[f].q.shape[1]), torch.zeros(s, 1))
+                             for f, s in zip(full, splits)]
+                    delta = LoRA(pairs, lora_scale)
+                base = self._weight(i, key)
+                mod: nn.Module = DenseBF16Linear(base.weight, splits, delta) if isinstance(base, DenseBF16Linear) \
+                    else Int4Linear(base, splits, wide, delta)  # either way the base tensors are shared
+                setattr(owner, key, mod)
+                for n in names:
+                    if n != key:
+                        setattr(owner, n, None)
+        dtype = model.model.norm.weight.dtype
+        model.model.embed_tokens = Q8Embedding(self.w.embed_q, self.w.embed_d, extra_rows, dtype)
+        model.lm_head = LMHead(self.head_planes, self.head_bf16, None if extra_rows is None else extra_rows.float())
+        model.packed = True
+        return model
+
+
+def quantize_bundled(base: CausalLM, dllm: CausalLM, gguf_path: Path, cache: Path, adapter: dict[str, Tensor] | None,
+                     lora_scale: float, policy: WeightPolicy) -> None:
+    """Put the GGUF's 4-bit weights into `base` and, when it is a separate model, `dllm` (in place).
+
+    `dllm` was built by merging the adapter into dense weights (loading.apply_adapter); its projections,
+    embedding and head are replaced here by the shared 4-bit ones plus the adapter's separate LoRA path.
+    """
+    w = cached_gguf(gguf_path, base.cfg.num_attention_heads, base.cfg.num_key_value_heads, cache)
+    pair = QuantizedPair(w, policy)
+    if dllm is not base:
+        tensors = adapter or {}
+        replaced = [k for k in tensors if k.startswith("set.") and k[4:-len(".weight")] in w.q4]
+        if replaced:
+            raise ValueError(f"adapter replaces 4-bit projections ({replaced[:3]}): use FASTDLLM_WEIGHTS=fp32")
+        pair.apply(dllm, read_lora(tensors), lora_scale, tensors.get("extend.model.embed_tokens.weight"))
+    pair.apply(base)
+
+
+def narrow_bytes(model: CausalLM) -> int | None:
+    """Bytes a narrow (AR) forward of a 4-bit model streams: int4 blocks, scales, LoRA, norms, head planes;
+    not the dense bf16 copies that only wide calls read. None for a model without 4-bit weights."""
+    mods = [m for m in model.modules() if isinstance(m, (Int4Weight, LMHead, Q8Embedding, DenseBF16Linear))]
+    if not any(isinstance(m, Int4Weight) for m in mods):
+        return None
+    skip = {id(m.dense) for m in mods if isinstance(m, Int4Weight) and m.dense is not None}
+    skip |= {id(m.weight) for m in mods if isinstance(m, LMHead)}
+    skip |= {id(m.q) for m in mods if isinstance(m, Q8Embedding)}  # a lookup reads only its rows
+    seen: set[int] = set()
+    total = 0
+    for t in [*model.parameters(), *model.buffers()]:
+        if id(t) in skip or t.data_ptr() in seen:
+            continue
+        seen.add(t.data_ptr())
+        total += t.numel() * t.element_size()
+    return total

@@ -1,0 +1,101 @@
+"""4-bit weights at run time (engine/quant.py) on the real bundled GGUF and adapter."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine import quant
+from engine.loading import BUNDLED_ADAPTER, _adapter_tensors, _gguf_path, bundled_base_dir, read_state_dict
+
+PROMPTS = ["What is the capital of France?", "Give me three tips for staying healthy."]
+
+
+@pytest.fixture(scope="module")
+def gguf() -> quant.GGUFWeights:
+    return quant.cached_gguf(_gguf_path(), 9, 3, bundled_base_dir() / "q4_1_blocks.safetensors")
+
+
+def test_q4_1_blocks_dequantise_to_the_converted_checkpoint(gguf):
+    """Our Q4_1 / Q8_0 reading (nibble order, q/k row order) == transformers' dequantised checkpoint, exactly."""
+    state = read_state_dict(bundled_base_dir())
+    assert len(gguf.q4) == 30 * 7
+    for name, blocks in gguf.q4.items():
+        assert int(blocks.q.max()) <= 15
+        assert torch.equal(blocks.dequantize(), state[name + ".weight"]), name
+    emb = (gguf.embed_q.float().view(gguf.embed_q.shape[0], -1, 32) * gguf.embed_d[..., None]).flatten(1)
+    assert torch.equal(emb, state["model.embed_tokens.weight"])
+
+
+def test_int4_linear_int4_and_dense_paths_and_lora(gguf):
+    blocks = quant._fused_blocks(gguf, 3, "mlp", ("gate_proj", "up_proj"))
+    weight = quant.Int4Weight(blocks, dense_bf16=True)
+    ref_w = blocks.dequantize()
+    a, b = torch.randn(8, 576) * 0.05, torch.randn(3072, 8) * 0.05
+    lora = quant.LoRA([(a[:4], b[:1536, :4]), (a[4:], b[1536:, 4:])], 2.0)
+    lin = quant.Int4Linear(weight, [1536, 1536], wide_rows=4, lora=lora)
+    delta = 2.0 * torch.block_diag(b[:1536, :4], b[1536:, 4:]) @ a
+    for rows in (1, 3, 4, 9):  # below wide_rows: int4 kernel; from it: dense bf16
+        x = torch.randn(1, rows, 576)
+        ref = F.linear(x, ref_w + delta)
+        got = lin(x)
+        assert got.shape == (1, rows, 3072) and got.dtype == torch.float32
+        assert (got - ref).abs().max() / ref.abs().max() < 2e-2, rows  # bf16 activations and scales
+    weight.dense = torch.zeros_like(weight.dense)  # the switch really happens at wide_rows
+    assert lin(torch.randn(1, 3, 576)).abs().max() > 0.1
+    x = torch.randn(1, 4, 576)
+    torch.testing.assert_close(lin(x), F.linear(x, delta), atol=1e-4, rtol=1e-4)
+
+
+def test_weight_policy_errors_name_the_setting(monkeypatch):
+    monkeypatch.setenv("FASTDLLM_WEIGHTS", "int3")
+    with pytest.raises(ValueError, match="FASTDLLM_WEIGHTS.*int4\\+bf16, int4, bf16, fp32"):
+        quant.WeightPolicy.from_env()
+    monkeypatch.setenv("FASTDLLM_WEIGHTS", "int4")
+    monkeypatch.setenv("FASTDLLM_INT4_WIDE_ROWS", "1")
+    with pytest.raises(ValueError, match="FASTDLLM_INT4_WIDE_ROWS.*>= 2"):
+        quant.WeightPolicy.from_env()
+    monkeypatch.setenv("FASTDLLM_INT4_WIDE_ROWS", "many")
+    with pytest.raises(ValueError, match="FASTDLLM_INT4_WIDE_ROWS"):
+        quant.WeightPolicy.from_env()
+
+
+def test_default_engine_runs_the_gguf_4bit_weights_and_decodes_like_fp32(engine, monkeypatch):
+    """Default load on CPU: int4+bf16 projections shared by base and dLLM, LoRA separate; greedy AR and diffusion
+    answers start like the fp32 path's (`engine` is the suite's fp32 engine)."""
+    from engine import Engine
+
+    monkeypatch.delenv("FASTDLLM_WEIGHTS")
+    q = Engine.load()
+    assert q.lm.info["weights"] == "int4+bf16" and "int4+bf16 weights" in q.lm.banner()
+    base, dllm = q.lm.base.model.layers[0].mlp.gate_up, q.lm.dllm.model.layers[0].mlp.gate_up
+    assert isinstance(base, quant.Int4Linear) and base.lora is None and base.wide_rows == quant.DEFAULT_WIDE_ROWS
+    assert dllm.weight is base.weight and dllm.lora is not None  # one copy of the 4-bit weights
+    assert q.lm.dllm.lm_head.weight is q.lm.base.lm_head.weight
+    assert _adapter_tensors(BUNDLED_ADAPTER)[1] == 2.0
+    for mode in ("ar", "diffusion"):
+        cfg = q.decode_config(mode=mode, max_new_tokens=24, temperature=0.0)
+        for prompt in PROMPTS:
+            got = q.generate(prompt, cfg, record=False)[0].summary.token_ids
+            ref = engine.generate(prompt, engine.decode_config(mode=mode, max_new_tokens=24, temperature=0.0),
+                                  record=False)[0].summary.token_ids
+            same = next((i for i, (u, v) in enumerate(zip(got, ref)) if u != v), min(len(got), len(ref)))
+            assert same >= 6, (mode, prompt, got, ref)  # broken weights diverge at once
+    # the static-shape stepper (engine/static.py, forced on for CPU) runs the same 4-bit modules
+    static = Engine(q.lm, static=True)
+    cfg = q.decode_config(mode="ar", max_new_tokens=12, temperature=0.0)
+    assert static.generate(PROMPTS[0], cfg, record=False)[0].summary.token_ids == \
+        q.generate(PROMPTS[0], cfg, record=False)[0].summary.token_ids
+
+
+def test_q8_lm_head_as_two_int4_planes(gguf):
+    """q = 16 hi + lo: the two int4 planes add up to the Q8_0 head exactly; both head paths give its logits."""
+    q, d = gguf.embed_q[:4096], gguf.embed_d[:4096]
+    exact = (q.float().view(4096, -1, 32) * d[..., None]).flatten(1)
+    hi, lo = quant.q8_planes(q, d)
+    assert torch.equal(hi.dequantize() + lo.dequantize(), exact)
+    head = quant.LMHead(tuple(quant.Int4Weight(p, dense_bf16=False) for p in (hi, lo)), exact.bfloat16(), None)
+    for rows in (1, quant.HEAD_WIDE_ROWS):
+        x = torch.randn(1, rows, 576)
+        ref = F.linear(x, exact)
+        assert (head(x) - ref).abs().max() / ref.abs().max() < 2e-2, rows
