@@ -1,4 +1,4 @@
-"""Fast-dLLM v2 studio: `python app.py [--model M] [--host H] [--port P]` (also the Hugging Face Spaces entry point).
+"""Fast-dLLM v2 studio: `python app.py [--model M | --engine-url URL] [--host H] [--port P]` (also the Spaces entry point).
 
 Model: --model, else FASTDLLM_MODEL, else on Hugging Face Spaces (SPACE_ID set) the real Fast-dLLM v2 1.5B
 checkpoint, else the bundled SmolLM2-135M + Fast-dLLM v2 adapter that runs offline on a CPU.
@@ -30,6 +30,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--host", default=os.environ.get("GRADIO_SERVER_NAME", "127.0.0.1"),
                    help="interface to listen on (default 127.0.0.1; 0.0.0.0 to share on a network)")
     p.add_argument("--port", type=int, default=int(os.environ.get("GRADIO_SERVER_PORT", "7860")), help="port (7860)")
+    p.add_argument("--engine-url", default=os.environ.get("FASTDLLM_ENGINE_URL"),
+                   help="drive a remote `python -m engine serve` (e.g. http://gpu-host:8000) instead of loading a model "
+                        "here (default: FASTDLLM_ENGINE_URL)")
     p.add_argument("--queue-size", type=int, default=None,
                    help="requests that may wait for the engine before new ones are refused as busy "
                         "(default: FASTDLLM_QUEUE_SIZE, else 16)")
@@ -43,7 +46,12 @@ def main(argv: list[str] | None = None) -> None:
     from engine import Engine
 
     queue = queue_kwargs(args.queue_size)  # a bad size fails before the model loads
-    engine = Engine.load(args.model or default_model())
+    if args.engine_url:
+        from app.backend import RemoteEngine
+
+        engine = RemoteEngine(args.engine_url)
+    else:
+        engine = Engine.load(args.model or default_model())
     print(f"model: {engine.lm.banner()}", flush=True)
     build(Studio(engine)).queue(**queue).launch(server_name=args.host, server_port=args.port, **launch_kwargs())
 

@@ -112,6 +112,20 @@ def cmd_chat(a: argparse.Namespace) -> int:
         history += [{"role": "user", "content": msg}, {"role": "assistant", "content": s.text}]
 
 
+def cmd_serve(a: argparse.Namespace) -> int:
+    from .engine import Engine
+    from .serve import serve
+
+    if not 1 <= a.max_batch <= 256:
+        raise ConfigError("max_batch", f"must be an integer in [1, 256] (got {a.max_batch})")
+    if not 0 < a.port < 65536:
+        raise ConfigError("port", f"must be in [1, 65535] (got {a.port})")
+    engine = Engine.load(a.model, a.device, a.dtype)
+    print(f"model: {engine.lm.banner()}; OpenAI API on http://{a.host}:{a.port}/v1", file=sys.stderr, flush=True)
+    serve(engine, a.host, a.port, a.max_batch)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     p = _Parser(prog="python -m engine", description="Fast-dLLM v2 block-diffusion decoding")
     sub = p.add_subparsers(dest="cmd", required=True, parser_class=_Parser)
@@ -123,9 +137,17 @@ def main(argv: list[str] | None = None) -> int:
     _decode_args(g)
     c = sub.add_parser("chat", help="multi-turn terminal chat")
     _decode_args(c)
+    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (continuous batching across requests)")
+    s.add_argument("--host", default="127.0.0.1", help="interface (default 127.0.0.1; 0.0.0.0 to share on a network)")
+    s.add_argument("--port", type=int, default=8000, help="port (8000)")
+    s.add_argument("--max-batch", type=int, default=16, help="rows decoded together per setting; more requests wait")
+    s.add_argument("--model", help="hub id or local checkpoint directory (default: FASTDLLM_MODEL, else the bundled model)")
+    s.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    s.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None, help="weights dtype")
     a = p.parse_args(argv)
+    cmds = {"generate": cmd_generate, "chat": cmd_chat, "serve": cmd_serve}
     try:
-        return cmd_generate(a) if a.cmd == "generate" else cmd_chat(a)
+        return cmds[a.cmd](a)
     except (ConfigError, ModelSourceError, ValueError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -45,13 +45,29 @@ class Row:
     first_token_t: float | None = None
     done: str = ""  # stop reason once finished
     summary: Summary | None = None  # set when the row leaves the batch
+    t0: float = 0.0  # perf_counter when this row's decode started (its events' clock)
+    listener: Listener | None = None  # this row's own listener (a scheduler's request), else the Decoder's
+    cancel: Cancel | None = None  # this row's own stop flag: only this row leaves the batch
 
     def known(self, q: int) -> bool:
         return q < self.prompt_len or self.answer[q - self.prompt_len] is not None
 
 
+@dataclass
+class Batch:
+    """Rows decoding together: row b of seq and of the cache belongs to rows[b]."""
+
+    rows: list[Row]
+    seq: Tensor  # [B, max_len] prompt + answer tokens (masks where undecided)
+    cache: KVCache | None
+
+
 class Decoder:
-    """Decodes a batch; one Event per forward and row, then a 'done' Event per row."""
+    """Decodes a batch; one Event per forward and row, then a 'done' Event per row.
+
+    run() decodes to the end; prefill / step / merge / drop_cancelled go one forward at a time, so a scheduler can
+    add rows between forwards and drop one row alone.
+    """
 
     def __init__(self, model: CausalLM, cfg: DecodeConfig, mask_id: int | None, tb: TokenBytes,
                  listener: Listener | None = None, cancel: Cancel | None = None,
@@ -68,8 +84,9 @@ class Decoder:
             self.gen.seed()
 
     # ---------------------------------------------------------------- shared helpers
-    def _now(self) -> float:
-        return time.perf_counter() - self.t0
+    @staticmethod
+    def _now(row: Row) -> float:
+        return time.perf_counter() - row.t0
 
     def _sample(self, logits: Tensor) -> tuple[Tensor, Tensor]:
         if self.mask_id is not None and self.mask_id < logits.shape[-1]:
@@ -108,7 +125,7 @@ class Decoder:
         if tok in self.stop_ids and (row.stop_at is None or q < row.stop_at):
             row.stop_at = q
         if q == row.prompt_len:  # TTFT: the first answer token, the one streaming text can start with
-            row.first_token_t = self._now()
+            row.first_token_t = self._now(row)
 
     def _advance_text(self, row: Row) -> str:
         delta = []
@@ -120,9 +137,10 @@ class Decoder:
 
     def _emit(self, kind: str, row: Row, sub: int, committed: list[Token], masked: list[Token]) -> None:
         delta = self._advance_text(row)
-        if self.listener is not None:
-            self.listener(Event(kind, row.index, row.nfe, row.block_start // self.cfg.block_size, sub,
-                                committed, masked, delta, self._now()))
+        listener = row.listener or self.listener
+        if listener is not None:
+            listener(Event(kind, row.index, row.nfe, row.block_start // self.cfg.block_size, sub,
+                           committed, masked, delta, self._now(row)))
 
     def _summary(self, row: Row) -> Summary:
         """Answer = the contiguous committed prefix, through the stop token when there is one."""
@@ -133,7 +151,7 @@ class Decoder:
                 break
             ids.append(t)
         row.detok.flush()
-        n, secs = len(ids), self._now()
+        n, secs = len(ids), self._now(row)
         return Summary(answer_tokens=n, nfe=row.nfe, tokens_per_forward=n / max(row.nfe, 1), seconds=secs,
                        tokens_per_second=n / secs if secs > 0 else 0.0,
                        ttft=row.first_token_t if row.first_token_t is not None else secs,
@@ -145,40 +163,92 @@ class Decoder:
 
     # ---------------------------------------------------------------- public entry
     def run(self, prompts: list[list[int]]) -> list[Summary]:
-        self.t0 = time.perf_counter()
-        cfg = self.cfg
-        skip = self.stop_ids | self.tb.special
-        rows = [Row(i, len(p), len(p) + cfg.max_new_tokens, IncrementalDetokenizer(self.tb, skip),
-                    [None] * cfg.max_new_tokens) for i, p in enumerate(prompts)]
-        bs = cfg.block_size if cfg.mode == "diffusion" else 1
-        max_len = max(r.limit for r in rows)
-        max_len = -(-max_len // bs) * bs + bs
-        fill = self.mask_id if (cfg.mode == "diffusion" and self.mask_id is not None) else 0
-        seq = torch.full((len(rows), max_len), fill, dtype=torch.long, device=self.device)
-        for r, p in zip(rows, prompts):
-            seq[r.index, :len(p)] = torch.tensor(p, dtype=torch.long, device=self.device)
+        """Decode a whole batch to the end (what Engine.generate_ids does)."""
+        rows = self.new_rows(prompts)
         with torch.inference_mode():
-            if cfg.mode == "ar":
-                self._run_ar(rows, seq, max_len)
-            else:
-                if self.mask_id is None:
-                    raise ValueError("mode: this model has no mask token |<MASK>|, so it cannot decode by "
-                                     "block diffusion; use mode 'ar'")
-                self._run_diffusion(rows, seq, max_len)
+            batch = self.prefill(prompts, rows)
+            while batch.rows and not self._cancelled(batch.rows):
+                batch = self.step(batch)
+            self._retire(batch)
         return [r.summary for r in rows]  # type: ignore[misc]  # rows are in caller order
 
-    def _retire(self, live: list[Row], seq: Tensor, cache: KVCache | None) -> tuple[list[Row], Tensor]:
+    def new_rows(self, prompts: list[list[int]], *, indices: list[int] | None = None,
+                 max_new: list[int] | None = None, listeners: list[Listener | None] | None = None,
+                 cancels: list[Cancel | None] | None = None) -> list[Row]:
+        """Fresh rows for prompts; a scheduler gives each its own index (event.row), answer cap, listener and
+        stop flag (the rest of the DecodeConfig is the batch's)."""
+        t0, skip = time.perf_counter(), self.stop_ids | self.tb.special
+        caps = max_new or [self.cfg.max_new_tokens] * len(prompts)
+        return [Row(indices[i] if indices else i, len(p), len(p) + caps[i], IncrementalDetokenizer(self.tb, skip),
+                    [None] * caps[i], t0=t0, listener=listeners[i] if listeners else None,
+                    cancel=cancels[i] if cancels else None)
+                for i, p in enumerate(prompts)]
+
+    def _max_len(self, rows: list[Row]) -> int:
+        """Sequence room: every answer position plus one block for the window past the last one."""
+        bs = self.cfg.block_size if self.cfg.mode == "diffusion" else 1
+        return -(-max(r.limit for r in rows) // bs) * bs + bs
+
+    def _fill(self) -> int:
+        return self.mask_id if (self.cfg.mode == "diffusion" and self.mask_id is not None) else 0
+
+    def prefill(self, prompts: list[list[int]], rows: list[Row]) -> Batch:
+        """The first forward of new rows (it also commits their first tokens); call under inference_mode."""
+        if self.cfg.mode == "diffusion" and self.mask_id is None:
+            raise ValueError("mode: this model has no mask token |<MASK>|, so it cannot decode by "
+                             "block diffusion; use mode 'ar'")
+        max_len = self._max_len(rows)
+        seq = torch.full((len(rows), max_len), self._fill(), dtype=torch.long, device=self.device)
+        for b, p in enumerate(prompts):
+            seq[b, :len(p)] = torch.tensor(p, dtype=torch.long, device=self.device)
+        cache = None if (self.cfg.mode == "diffusion" and self.cfg.cache == "none") else \
+            self._new_cache(len(rows), max_len)
+        batch = Batch(rows, seq, cache)
+        if self.cfg.mode == "ar":
+            self._prefill_ar(batch)
+        else:
+            self._prefill_diffusion(batch)
+        return self._retire(batch)
+
+    def step(self, batch: Batch) -> Batch:
+        """One forward for every live row; finished rows leave. Call under inference_mode."""
+        if self.cfg.mode == "ar":
+            self._step_ar(batch)
+        else:
+            self._step_diffusion(batch)
+        return self._retire(batch)
+
+    def drop_cancelled(self, batch: Batch) -> Batch:
+        """Rows whose own stop flag is set end as 'cancelled' and leave; the others are untouched."""
+        for r in batch.rows:
+            if r.cancel is not None and r.cancel.is_set() and not r.done:
+                self._finish(r, "cancelled")
+        return self._retire(batch)
+
+    def merge(self, a: Batch, b: Batch) -> Batch:
+        """Rows b join batch a (admission between forwards): seq and cache padded to the longer room."""
+        if self.stepper is not None:
+            raise ValueError("merge: the static stepper's cache has a fixed shape; a scheduler decodes without it")
+        if not a.rows or not b.rows:
+            return a if a.rows else b
+        n = max(a.seq.shape[1], b.seq.shape[1])
+        pad = lambda t: torch.nn.functional.pad(t, (0, n - t.shape[1]), value=self._fill())  # noqa: E731
+        cache = a.cache.merged(b.cache) if a.cache is not None and b.cache is not None else None
+        return Batch(a.rows + b.rows, torch.cat([pad(a.seq), pad(b.seq)]), cache)
+
+    def _retire(self, batch: Batch) -> Batch:
         """Finished rows leave the batch (their summary is kept)."""
+        live = batch.rows
         keep = [i for i, r in enumerate(live) if not r.done]
         for r in live:
             if r.done and r.summary is None:
                 r.summary = self._summary(r)
         if len(keep) == len(live):
-            return live, seq
+            return batch
         idx = torch.tensor(keep, dtype=torch.long, device=self.device)
-        if cache is not None and keep:
-            cache.keep_rows(idx)
-        return [live[i] for i in keep], seq.index_select(0, idx) if keep else seq[:0]
+        if batch.cache is not None and keep:
+            batch.cache.keep_rows(idx)
+        return Batch([live[i] for i in keep], batch.seq.index_select(0, idx) if keep else batch.seq[:0], batch.cache)
 
     def _cancelled(self, live: list[Row]) -> bool:
         if self.cancel is not None and self.cancel.is_set():
@@ -187,55 +257,56 @@ class Decoder:
             return True
         return False
 
+    def _listening(self, r: Row) -> bool:
+        return r.listener is not None or self.listener is not None
+
     # ---------------------------------------------------------------- AR baseline
-    def _run_ar(self, rows: list[Row], seq: Tensor, max_len: int) -> None:
-        cache = self._new_cache(len(rows), max_len)
+    def _prefill_ar(self, batch: Batch) -> None:
+        rows, seq = batch.rows, batch.seq
         plen = torch.tensor([r.prompt_len for r in rows], device=self.device)
         width = int(plen.max())
         pos = torch.arange(width, device=self.device)[None].expand(len(rows), -1)
         same = bool((plen == width).all())
         mask = None if same else causal_mask(pos, width, plen)
-        logits = self.model(seq[:, :width], pos, cache, start=0, kv_len=width, mask=mask, causal=same,
+        logits = self.model(seq[:, :width], pos, batch.cache, start=0, kv_len=width, mask=mask, causal=same,
                             logits_idx=(plen - 1)[:, None])
-        live, kind = rows, "prefill"
-        while live:
-            tok, conf = self._sample(logits[:, -1])
-            writes: list[tuple[int, int, int]] = []
-            for b, (r, t, c) in enumerate(zip(live, *self._to_host(tok, conf))):
-                r.nfe += 1
-                q = r.prompt_len + r.emitted_ar
-                r.emitted_ar += 1
-                committed: list[Token] = []
-                self._commit(r, q, t, c, committed)
-                writes.append((b, q, t))
-                self._emit(kind, r, -1, committed, [])
-                if r.stop_at is not None:
-                    self._finish(r, "stop_token")
-                elif q + 1 >= r.limit:
-                    self._finish(r, "max_new_tokens")
-            kind = "step"
-            self._write_tokens(seq, writes)
-            live, seq = self._retire(live, seq, cache)
-            if not live or self._cancelled(live):
-                live, seq = self._retire(live, seq, cache)
-                break
-            qs = [r.prompt_len + r.emitted_ar - 1 for r in live]  # host lists: no device sync
-            q = torch.tensor(qs, device=self.device)
-            same = all(x == qs[0] for x in qs)
-            mask = None if same else causal_mask(q[:, None], max(qs) + 1)
-            last = torch.zeros((len(live), 1), dtype=torch.long, device=self.device)
-            logits = self._step(seq.gather(1, q[:, None]), q[:, None], cache, start=qs[0] if same else None,
-                                ends=[x + 1 for x in qs], mask=mask, logits_idx=last, width=1)
+        self._commit_ar(batch, logits, "prefill")
+
+    def _step_ar(self, batch: Batch) -> None:
+        qs = [r.prompt_len + r.emitted_ar - 1 for r in batch.rows]  # host lists: no device sync
+        q = torch.tensor(qs, device=self.device)
+        same = all(x == qs[0] for x in qs)
+        mask = None if same else causal_mask(q[:, None], max(qs) + 1)
+        last = torch.zeros((len(qs), 1), dtype=torch.long, device=self.device)
+        logits = self._step(batch.seq.gather(1, q[:, None]), q[:, None], batch.cache, start=qs[0] if same else None,
+                            ends=[x + 1 for x in qs], mask=mask, logits_idx=last, width=1)
+        self._commit_ar(batch, logits, "step")
+
+    def _commit_ar(self, batch: Batch, logits: Tensor, kind: str) -> None:
+        tok, conf = self._sample(logits[:, -1])
+        writes: list[tuple[int, int, int]] = []
+        for b, (r, t, c) in enumerate(zip(batch.rows, *self._to_host(tok, conf))):
+            r.nfe += 1
+            q = r.prompt_len + r.emitted_ar
+            r.emitted_ar += 1
+            committed: list[Token] = []
+            self._commit(r, q, t, c, committed)
+            writes.append((b, q, t))
+            self._emit(kind, r, -1, committed, [])
+            if r.stop_at is not None:
+                self._finish(r, "stop_token")
+            elif q + 1 >= r.limit:
+                self._finish(r, "max_new_tokens")
+        self._write_tokens(batch.seq, writes)
 
     def _dtype(self) -> torch.dtype:
         return next(self.model.parameters()).dtype
 
     # ---------------------------------------------------------------- block diffusion
-    def _run_diffusion(self, rows: list[Row], seq: Tensor, max_len: int) -> None:
-        cfg, bs = self.cfg, self.cfg.block_size
-        cache = None if cfg.cache == "none" else self._new_cache(len(rows), max_len)
+    def _prefill_diffusion(self, batch: Batch) -> None:
         # Prefill: whole prompt blocks, plus the partial block (prompt tail + masks) when there is one, which
         # makes the prefill also the first decoding step of that block.
+        rows, bs = batch.rows, self.cfg.block_size
         for r in rows:
             r.block_start = r.prompt_len // bs * bs
         ends = [r.block_start + (bs if r.prompt_len % bs else 0) for r in rows]
@@ -244,48 +315,47 @@ class Decoder:
         valid = torch.tensor(ends, device=self.device)
         mask = block_causal_mask(pos, width, bs, valid)
         targets = [self._targets(r, 0, e, full=True) for r, e in zip(rows, ends)]
-        logits = self.model(seq[:, :width], pos, cache, start=0, kv_len=width, mask=mask,
+        logits = self.model(batch.seq[:, :width], pos, batch.cache, start=0, kv_len=width, mask=mask,
                             logits_idx=self._idx(targets, [0] * len(rows)))
         # an aligned prompt's prefill covers whole prompt blocks only: the new block's K/V are not there yet
-        self._after_forward("prefill", rows, seq, targets, logits, [r.prompt_len % bs != 0 for r in rows])
-        live, seq = self._retire(rows, seq, cache)
-        while live and not self._cancelled(live):
-            plan = [self._plan(r) for r in live]  # (kind, window start, window end)
-            full = any(k != "sub" for k, _, _ in plan)
-            if cfg.cache == "none":
-                ends = [r.block_start + bs for r in live]
-                width = max(ends)
-                starts = [0] * len(live)
-                pos = torch.arange(width, device=self.device)[None].expand(len(live), -1)
-                mask = block_causal_mask(pos, width, bs, torch.tensor(ends, device=self.device))
-                ids, start, kv_len = seq[:, :width], 0, None
+        self._after_forward("prefill", rows, batch.seq, targets, logits, [r.prompt_len % bs != 0 for r in rows])
+
+    def _step_diffusion(self, batch: Batch) -> None:
+        cfg, bs, live, seq, cache = self.cfg, self.cfg.block_size, batch.rows, batch.seq, batch.cache
+        plan = [self._plan(r) for r in live]  # (kind, window start, window end)
+        full = any(k != "sub" for k, _, _ in plan)
+        if cfg.cache == "none":
+            ends = [r.block_start + bs for r in live]
+            width = max(ends)
+            starts = [0] * len(live)
+            pos = torch.arange(width, device=self.device)[None].expand(len(live), -1)
+            mask = block_causal_mask(pos, width, bs, torch.tensor(ends, device=self.device))
+            ids, start, kv_len = seq[:, :width], 0, None
+        else:
+            width = bs if full else max(e - s for _, s, e in plan)
+            starts = [r.block_start if full else min(s, r.block_start + bs - width) for r, (_, s, _) in zip(live, plan)]
+            st = torch.tensor(starts, device=self.device)
+            pos = st[:, None] + torch.arange(width, device=self.device)[None]
+            ends = [r.block_start + bs for r in live]
+            ends_t = torch.tensor(ends, device=self.device)
+            kv_len = max(ends)
+            same = all(s == starts[0] for s in starts)
+            mask = None if same else (torch.arange(kv_len, device=self.device)[None, None, None] < ends_t[:, None, None, None])
+            ids, start = seq.gather(1, pos), (starts[0] if same else None)
+        targets = []
+        for r, (kind, s, e), a in zip(live, plan, starts):
+            if kind == "commit":
+                targets.append([r.block_start + bs]) if r.block_start + bs < r.limit else targets.append([])
             else:
-                width = bs if full else max(e - s for _, s, e in plan)
-                starts = [r.block_start if full else min(s, r.block_start + bs - width) for r, (_, s, _) in zip(live, plan)]
-                st = torch.tensor(starts, device=self.device)
-                pos = st[:, None] + torch.arange(width, device=self.device)[None]
-                ends = [r.block_start + bs for r in live]
-                ends_t = torch.tensor(ends, device=self.device)
-                kv_len = max(ends)
-                same = all(s == starts[0] for s in starts)
-                mask = None if same else (torch.arange(kv_len, device=self.device)[None, None, None] < ends_t[:, None, None, None])
-                ids, start = seq.gather(1, pos), (starts[0] if same else None)
-            targets = []
-            for r, (kind, s, e), a in zip(live, plan, starts):
-                if kind == "commit":
-                    targets.append([r.block_start + bs]) if r.block_start + bs < r.limit else targets.append([])
-                else:
-                    targets.append(self._targets(r, a, a + width, full=full or cfg.cache == "none"))
-            idx = self._idx(targets, starts)
-            if cache is None:
-                logits = self.model(ids, pos, cache, start=start, kv_len=kv_len, mask=mask, logits_idx=idx)
-            else:
-                logits = self._step(ids, pos, cache, start=start, ends=ends, mask=mask, logits_idx=idx,
-                                    width=bs if full else cfg.sub_block_size + 1)
-            kinds = [k for k, _, _ in plan]
-            self._after_forward(kinds, live, seq, targets, logits, [full or cfg.cache == "none"] * len(live))
-            live, seq = self._retire(live, seq, cache)
-        self._retire(live, seq, cache)
+                targets.append(self._targets(r, a, a + width, full=full or cfg.cache == "none"))
+        idx = self._idx(targets, starts)
+        if cache is None:
+            logits = self.model(ids, pos, cache, start=start, kv_len=kv_len, mask=mask, logits_idx=idx)
+        else:
+            logits = self._step(ids, pos, cache, start=start, ends=ends, mask=mask, logits_idx=idx,
+                                width=bs if full else cfg.sub_block_size + 1)
+        kinds = [k for k, _, _ in plan]
+        self._after_forward(kinds, live, seq, targets, logits, [full or cfg.cache == "none"] * len(live))
 
     def _masked(self, r: Row, lo: int, hi: int) -> list[int]:
         """Still-masked answer positions in [lo, hi), never past an earlier committed stop token."""
@@ -316,7 +386,7 @@ class Decoder:
         lo = r.block_start + self._active_sub(r) * sbs
         sub = self._masked(r, lo, lo + sbs)
         extra = []
-        if self.listener is not None and full:  # the heatmap wants every masked position of the block
+        if self._listening(r) and full:  # the heatmap wants every masked position of the block
             extra = [q for q in self._masked(r, r.block_start, r.block_start + bs) if q >= lo + sbs]
         return [q for q in sub + extra if a <= q - 1 < b]
 
@@ -355,7 +425,7 @@ class Decoder:
                     if j < n_sub and chosen[j]:
                         self._commit(r, q, tok_l[b][j], conf_l[b][j], committed)
                         writes.append((b, q, tok_l[b][j]))
-                    elif self.listener is not None:
+                    elif self._listening(r):
                         t = tok_l[b][j]
                         masked.append(Token(q - r.prompt_len, t, self.tb.piece(t), conf_l[b][j]))
                 self._emit("prefill" if kind == "prefill" else "step", r, k, committed, masked)

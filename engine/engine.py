@@ -91,17 +91,7 @@ class Engine:
                      cancel: Cancel | None = None, record: bool = True,
                      prompt_texts: list[str] | None = None) -> list[Result]:
         """Decode token ids (engine time starts here: tokenisation is the caller's)."""
-        if not cfg.stop_token_ids:
-            cfg = replace(cfg, stop_token_ids=self.lm.stop_token_ids)
-        cfg.validate()
-        for i, p in enumerate(ids):
-            if not p:
-                raise ConfigError("prompt", f"prompt {i} is empty")
-            room = self.max_context - len(p)
-            if room < 1:
-                raise ConfigError("prompt", f"prompt {i} has {len(p)} tokens; the model's context is {self.max_context}")
-            if cfg.max_new_tokens > room:
-                cfg = replace(cfg, max_new_tokens=room)
+        cfg = self.check_ids(ids, cfg)
         traces = [Trace(self.trace_header(p, cfg, prompt_texts[i] if prompt_texts else None))
                   for i, p in enumerate(ids)] if record else None
 
@@ -126,6 +116,23 @@ class Engine:
                 tr.summary = s
             results.append(Result(s, tr))
         return results
+
+    def check_ids(self, ids: list[list[int]], cfg: DecodeConfig) -> DecodeConfig:
+        """Validate prompts and config; max_new_tokens clipped to the context room left by the longest prompt."""
+        if not cfg.stop_token_ids:
+            cfg = replace(cfg, stop_token_ids=self.lm.stop_token_ids)
+        cfg.validate()
+        if cfg.mode == "diffusion" and not self.can_diffuse:
+            raise ConfigError("mode", "this model has no |<MASK>| token and cannot decode by block diffusion; use 'ar'")
+        for i, p in enumerate(ids):
+            if not p:
+                raise ConfigError("prompt", f"prompt {i} is empty")
+            room = self.max_context - len(p)
+            if room < 1:
+                raise ConfigError("prompt", f"prompt {i} has {len(p)} tokens; the model's context is {self.max_context}")
+            if cfg.max_new_tokens > room:
+                cfg = replace(cfg, max_new_tokens=room)
+        return cfg
 
     def trace_header(self, ids: list[int], cfg: DecodeConfig, prompt: str | None) -> dict[str, Any]:
         """What a trace (and a live view, before its first event) needs to lay out and label a run."""

@@ -30,6 +30,16 @@ class KVCache:
         self.k = self.k.index_select(1, rows)
         self.v = self.v.index_select(1, rows)
 
+    def merged(self, other: "KVCache") -> "KVCache":
+        """This cache's rows, then other's (a scheduler admitting rows): both padded to the longer room."""
+        n = max(self.max_len, other.max_len)
+        pad = lambda t: F.pad(t, (0, 0, 0, n - t.shape[3]))  # noqa: E731
+        out = object.__new__(KVCache)
+        out.k = torch.cat([pad(self.k), pad(other.k)], dim=1)
+        out.v = torch.cat([pad(self.v), pad(other.v)], dim=1)
+        out.max_len = n
+        return out
+
     def write(self, layer: int, k: Tensor, v: Tensor, pos: Tensor, start: int | None) -> None:
         if start is not None:  # every row writes the same contiguous window: a plain slice copy
             self.k[layer, :, :, start:start + k.shape[2]] = k

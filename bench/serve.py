@@ -1,0 +1,197 @@
+"""Serving benchmark: N concurrent streaming clients against one client, through `python -m engine serve`.
+
+The server runs in its own process (as deployed); clients use the official `openai` package and stream. For each
+setting, `repeats` times: one client sends the N prompts in turn, then N clients send one prompt each at once.
+The two phases alternate so that the load of a shared machine drifts over both alike. Reported: aggregate answer
+tokens/s of each phase (tokens / wall time, summed over repeats) and their ratio, client-side TTFT p50/p95
+(request sent -> first text), and whether every concurrent answer equals the one-client answer of its prompt.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from .common import DEFAULT_PROMPTS, load_prompts, table, write_json
+
+SETTINGS = {
+    "ar": {"mode": "ar"},
+    "diffusion-block": {"mode": "diffusion", "cache": "block"},
+    "diffusion-dual": {"mode": "diffusion", "cache": "dual"},
+}
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser("serve", help="N concurrent clients vs one through the OpenAI-compatible server")
+    p.add_argument("--url", help="an already running server's /v1 URL (default: start `python -m engine serve`)")
+    p.add_argument("--model", help="model for the started server (default: the bundled one)")
+    p.add_argument("--clients", type=int, default=8)
+    p.add_argument("--repeats", type=int, default=2, help="alternations of the one-client and N-client phases")
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--settings", default="ar,diffusion-block,diffusion-dual", help=f"of {', '.join(SETTINGS)}")
+    p.add_argument("--prompts", default=str(DEFAULT_PROMPTS), help="JSONL of {\"prompt\": ...} (the first --clients are used)")
+    p.add_argument("--threads", type=int, default=1, help="FASTDLLM_THREADS of the started server")
+    p.add_argument("--out", default="runs/bench/serve", help="directory for results.json")
+    p.set_defaults(func=run)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(model: str | None, threads: int) -> tuple[subprocess.Popen, str]:
+    port = _free_port()
+    cmd = [sys.executable, "-m", "engine", "serve", "--host", "127.0.0.1", "--port", str(port)]
+    cmd += ["--model", model] if model else []
+    env = {**os.environ, "FASTDLLM_THREADS": str(threads)}
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}/v1"
+    import httpx
+
+    for _ in range(600):
+        if proc.poll() is not None:
+            raise RuntimeError(f"the server exited: {proc.stderr.read()[-2000:]}")
+        try:
+            if httpx.get(url + "/models", timeout=2).status_code == 200:
+                return proc, url
+        except httpx.TransportError:
+            pass
+        time.sleep(0.5)
+    proc.terminate()
+    raise RuntimeError("the server did not start within 300 s")
+
+
+def one_request(client: Any, model: str, prompt: str, knobs: dict, max_tokens: int) -> dict[str, Any]:
+    """A streamed chat completion: text, answer tokens, NFE, client-side TTFT and latency."""
+    t0 = time.perf_counter()
+    ttft, text, usage = None, "", None
+    stream = client.chat.completions.create(model=model, messages=[{"role": "user", "content": prompt}],
+                                            max_tokens=max_tokens, stream=True, stream_options={"include_usage": True},
+                                            extra_body={**knobs, "temperature": 0})
+    for ch in stream:
+        if ch.choices and ch.choices[0].delta.content:
+            ttft = ttft if ttft is not None else time.perf_counter() - t0
+            text += ch.choices[0].delta.content
+        if ch.usage is not None:
+            usage = ch.usage
+    latency = time.perf_counter() - t0
+    return {"prompt": prompt, "text": text, "tokens": usage.completion_tokens, "nfe": usage.model_extra["nfe"],
+            "ttft": ttft if ttft is not None else latency, "latency": latency}
+
+
+def percentile(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, max(0, round(q * (len(xs) - 1))))]
+
+
+def combine(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Repeats of one phase as one: tokens / wall summed, percentiles over every request."""
+    reqs = [r for run in runs for r in run["requests_detail"]]
+    wall, tokens = sum(r["wall_s"] for r in runs), sum(r["answer_tokens"] for r in runs)
+    ttfts = [r["ttft"] for r in reqs]
+    return {"clients": runs[0]["clients"], "requests": len(reqs), "wall_s": round(wall, 3), "answer_tokens": tokens,
+            "tokens_per_second": round(tokens / wall, 3), "per_repeat_tokens_per_second": [r["tokens_per_second"] for r in runs],
+            "ttft_p50_s": round(percentile(ttfts, 0.5), 3), "ttft_p95_s": round(percentile(ttfts, 0.95), 3),
+            "latency_p50_s": round(percentile([r["latency"] for r in reqs], 0.5), 3), "nfe": sum(r["nfe"] for r in reqs),
+            "requests_detail": reqs}
+
+
+def phase(url: str, model: str, jobs: list[list[str]], knobs: dict, max_tokens: int) -> dict[str, Any]:
+    """Each inner list is one client's prompts (sent in turn); all clients start together."""
+    import openai
+
+    out: list[list[dict]] = [[] for _ in jobs]
+    errors: list[BaseException] = []
+    start = threading.Barrier(len(jobs))
+
+    def client(i: int) -> None:
+        c = openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=1800)
+        start.wait()
+        try:
+            for p in jobs[i]:
+                out[i].append(one_request(c, model, p, knobs, max_tokens))
+        except BaseException as e:  # noqa: BLE001 - re-raised below
+            errors.append(e)
+
+    t0 = time.perf_counter()
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(len(jobs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - t0
+    if errors:
+        raise errors[0]
+    reqs = [r for rs in out for r in rs]
+    tokens = sum(r["tokens"] for r in reqs)
+    ttfts = [r["ttft"] for r in reqs]
+    return {"clients": len(jobs), "requests": len(reqs), "wall_s": round(wall, 3), "answer_tokens": tokens,
+            "tokens_per_second": round(tokens / wall, 3), "ttft_p50_s": round(percentile(ttfts, 0.5), 3),
+            "ttft_p95_s": round(percentile(ttfts, 0.95), 3),
+            "latency_p50_s": round(percentile([r["latency"] for r in reqs], 0.5), 3),
+            "nfe": sum(r["nfe"] for r in reqs), "requests_detail": reqs}
+
+
+def run(args: argparse.Namespace) -> int:
+    import httpx
+
+    names = [s for s in args.settings.split(",") if s]
+    bad = [s for s in names if s not in SETTINGS]
+    if bad or args.clients < 2 or args.repeats < 1:
+        print(f"error: settings must be of {', '.join(SETTINGS)}; clients >= 2; repeats >= 1", file=sys.stderr)
+        return 2
+    prompts = load_prompts(args.prompts, args.clients)
+    if len(prompts) < args.clients:
+        print(f"error: {args.prompts} has fewer than {args.clients} prompts", file=sys.stderr)
+        return 2
+    proc, url = (None, args.url) if args.url else start_server(args.model, args.threads)
+    try:
+        info = httpx.get(url + "/models", timeout=10).json()["data"][0]
+        load_before = os.getloadavg()
+        results = []
+        for name in names:
+            knobs = SETTINGS[name]
+            phase(url, info["id"], [[prompts[0]]], knobs, args.max_tokens)  # warm-up
+            alones, togethers = [], []
+            for _ in range(args.repeats):
+                alones.append(phase(url, info["id"], [prompts], knobs, args.max_tokens))
+                togethers.append(phase(url, info["id"], [[p] for p in prompts], knobs, args.max_tokens))
+            alone, together = combine(alones), combine(togethers)
+            ref = {r["prompt"]: r["text"] for r in alone["requests_detail"]}
+            mismatched = [r["prompt"] for r in together["requests_detail"] if r["text"] != ref[r["prompt"]]]
+            row = {"setting": name, "knobs": knobs, "one_client": alone, "concurrent": together,
+                   "aggregate_speedup": round(together["tokens_per_second"] / alone["tokens_per_second"], 3),
+                   "per_repeat_speedup": [round(b["tokens_per_second"] / a["tokens_per_second"], 3)
+                                          for a, b in zip(alones, togethers)],
+                   "same_answers": not mismatched, "mismatched_prompts": sorted(set(mismatched))}
+            results.append(row)
+            print(f"{name}: 1 client {alone['tokens_per_second']:.2f} tok/s (TTFT p50 {alone['ttft_p50_s']:.2f} s), "
+                  f"{args.clients} clients "
+                  f"{together['tokens_per_second']:.2f} tok/s ({row['aggregate_speedup']:.2f}x), TTFT p50/p95 "
+                  f"{together['ttft_p50_s']:.2f}/{together['ttft_p95_s']:.2f} s, same answers: {row['same_answers']}",
+                  file=sys.stderr)
+        out = Path(args.out)
+        write_json(out / "results.json", {
+            "benchmark": "serve", "args": vars(args) | {"func": None}, "server": info,
+            "loadavg_before": load_before, "loadavg_after": os.getloadavg(), "cpus": os.cpu_count(),
+            "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "results": results})
+        print(table([{"setting": r["setting"], "one": r["one_client"]["tokens_per_second"],
+                      "many": r["concurrent"]["tokens_per_second"], "x": r["aggregate_speedup"],
+                      "p50": r["concurrent"]["ttft_p50_s"], "p95": r["concurrent"]["ttft_p95_s"],
+                      "same": r["same_answers"]} for r in results],
+                    [("setting", "setting"), ("one", "1 client tok/s"), ("many", f"{args.clients} clients tok/s"),
+                     ("x", "ratio"), ("p50", "TTFT p50 s"), ("p95", "TTFT p95 s"), ("same", "same answers")]))
+        print(f"wrote {out / 'results.json'}")
+    finally:
+        if proc is not None:
+            proc.terminate()
+            proc.wait(30)
+    return 0

@@ -1,0 +1,231 @@
+"""Requests in, shared forwards out: continuous batching of decodes from many callers (nano-vllm's scheduler, for
+block diffusion).
+
+One worker thread owns the model. Requests whose settings give the same forward (the DecodeConfig less
+max_new_tokens: mode, block and sub-block size, cache, unmasking rule, sampling) share a batch; a request that
+arrives while that batch decodes is prefilled on its own and merged into it before the next forward, so it never
+waits for the batch to finish. Batches with different settings take turns, one forward each. A request's stop
+flag drops its own row before the next forward; the other rows carry on.
+"""
+from __future__ import annotations
+
+import threading
+from collections import deque
+from dataclasses import astuple, dataclass, field, replace
+from typing import Any, Callable
+
+import torch
+
+from .config import DecodeConfig
+from .decode import Batch, Decoder, Row
+from .engine import Engine, Result
+from .events import Event, Listener, Summary, Trace
+
+MAX_BATCH = 16  # rows per batch; more requests wait for a row to finish
+MAX_WAITING = 64  # requests not yet admitted; more are refused (SchedulerBusy)
+
+
+class SchedulerBusy(RuntimeError):
+    """The waiting line is full: retry later (HTTP 503)."""
+
+
+def batch_key(cfg: DecodeConfig) -> tuple:
+    """Requests with equal keys share forwards: every setting but the per-row answer cap (and the seed, which
+    greedy decoding never reads)."""
+    return astuple(replace(cfg, max_new_tokens=1, seed=cfg.seed if cfg.temperature > 0 else None))
+
+
+@dataclass(eq=False)
+class Ticket:
+    """One submitted request: cancel() drops its row before the next forward; wait() gives its Result."""
+
+    ids: list[int]
+    cfg: DecodeConfig
+    listener: Listener | None
+    trace: Trace | None
+    stop: threading.Event = field(default_factory=threading.Event)
+    finished: threading.Event = field(default_factory=threading.Event)
+    result: Result | None = None
+    error: BaseException | None = None
+    row: Row | None = None
+    on_finish: Callable[["Ticket"], None] | None = None  # called on the decoding thread once wait() would return
+
+    def cancel(self) -> None:
+        self.stop.set()
+
+    def wait(self, timeout: float | None = None) -> Result:
+        if not self.finished.wait(timeout):
+            raise TimeoutError("the request is still decoding")
+        if self.error is not None:
+            raise self.error
+        assert self.result is not None
+        return self.result
+
+    def on_event(self, e: Event) -> None:
+        """The row's listener: record, then pass on; a failing consumer cancels its own row only."""
+        if self.trace is not None:
+            self.trace.events.append(e)
+        if self.listener is not None:
+            try:
+                self.listener(e)
+            except BaseException as exc:  # noqa: BLE001 - reported to this request's waiter
+                self.error = exc
+                self.stop.set()
+
+
+@dataclass(eq=False)
+class Group:
+    """One batch of rows with the same key, and the decoder that steps it."""
+
+    decoder: Decoder
+    batch: Batch
+    tickets: list[Ticket]
+
+
+class Scheduler:
+    """Continuous batching over one Engine; thread-safe submit(), one decoding thread."""
+
+    def __init__(self, engine: Engine, max_batch: int = MAX_BATCH, max_waiting: int = MAX_WAITING):
+        self.engine, self.max_batch, self.max_waiting = engine, max_batch, max_waiting
+        self.waiting: deque[Ticket] = deque()
+        self.groups: dict[tuple, Group] = {}
+        self.forwards = 0  # forwards run by the worker (prefills included): what batching saves
+        self.running = 0  # rows in all batches after the worker's last pass (read from any thread)
+        self._cv = threading.Condition()
+        self._closed = False
+        self._worker = threading.Thread(target=self._loop, name="fastdllm-scheduler", daemon=True)
+        self._worker.start()
+
+    # ---------------------------------------------------------------- callers' side
+    def submit(self, ids: list[int], cfg: DecodeConfig, *, listener: Listener | None = None,
+               prompt_text: str | None = None, record: bool = True,
+               on_finish: Callable[[Ticket], None] | None = None) -> Ticket:
+        """Queue one prompt (token ids); ConfigError for bad settings or prompts, SchedulerBusy when full."""
+        cfg = self.engine.check_ids([ids], cfg)
+        trace = Trace(self.engine.trace_header(ids, cfg, prompt_text)) if record else None
+        t = Ticket(list(ids), cfg, listener, trace, on_finish=on_finish)
+        with self._cv:
+            if self._closed:
+                raise RuntimeError("the scheduler is closed")
+            if len(self.waiting) >= self.max_waiting:
+                raise SchedulerBusy(f"{len(self.waiting)} requests are waiting already; try again shortly")
+            self.waiting.append(t)
+            self._cv.notify()
+        return t
+
+    def generate_ids(self, ids: list[int], cfg: DecodeConfig, **kw: Any) -> Result:
+        return self.submit(ids, cfg, **kw).wait()
+
+    def close(self) -> None:
+        with self._cv:
+            self._closed = True
+            self._cv.notify()
+        self._worker.join()
+
+    # ---------------------------------------------------------------- the decoding thread
+    def _loop(self) -> None:
+        while True:
+            with self._cv:
+                while not self._closed and not self.waiting and not self.groups:
+                    self._cv.wait()
+                if self._closed:
+                    self._fail_all(RuntimeError("the scheduler was closed"))
+                    return
+                admit = self._take_waiting()
+            with self.engine.lock, torch.inference_mode():  # direct Engine.generate_ids callers take turns with us
+                self._admit(admit)
+                for key in list(self.groups):
+                    self._step(key)
+            self.running = sum(len(g.batch.rows) for g in self.groups.values())
+
+    def _take_waiting(self) -> list[Ticket]:
+        """Waiting requests that fit into their batch now (FIFO; a full batch holds back only its own key)."""
+        out, left = [], deque()
+        rows = {k: len(g.batch.rows) for k, g in self.groups.items()}
+        while self.waiting:
+            t = self.waiting.popleft()
+            k = batch_key(t.cfg)
+            if rows.get(k, 0) < self.max_batch or t.stop.is_set():
+                rows[k] = rows.get(k, 0) + 1
+                out.append(t)
+            else:
+                left.append(t)
+        self.waiting = left
+        return out
+
+    def _admit(self, tickets: list[Ticket]) -> None:
+        """Prefill newly arrived rows (one forward per key) and merge them into their key's batch."""
+        by_key: dict[tuple, list[Ticket]] = {}
+        for t in tickets:
+            if t.stop.is_set():  # cancelled while waiting: never decoded
+                self._complete(t, Summary(0, 0, 0.0, 0.0, 0.0, 0.0, "cancelled", "", []))
+            else:
+                by_key.setdefault(batch_key(t.cfg), []).append(t)
+        for key, ts in by_key.items():
+            g = self.groups.get(key)
+            dec = g.decoder if g else Decoder(self._model(ts[0].cfg.mode), ts[0].cfg, self.engine.lm.mask_token_id,
+                                              self.engine.tb)
+            try:
+                rows = dec.new_rows([t.ids for t in ts], indices=[0] * len(ts), max_new=[t.cfg.max_new_tokens for t in ts],
+                                    listeners=[t.on_event for t in ts], cancels=[t.stop for t in ts])
+                for t, r in zip(ts, rows):
+                    t.row = r
+                new = dec.prefill([t.ids for t in ts], rows)
+                self.forwards += 1
+            except Exception as exc:  # noqa: BLE001 - these requests fail; the running batch is untouched
+                for t in ts:
+                    self._complete(t, None, exc)
+                continue
+            if g is None:
+                g = self.groups[key] = Group(dec, new, [])
+            else:
+                g.batch = dec.merge(g.batch, new)
+            g.tickets += ts
+            self._deliver(key)
+
+    def _step(self, key: tuple) -> None:
+        g = self.groups[key]
+        try:
+            g.batch = g.decoder.drop_cancelled(g.batch)
+            if g.batch.rows:
+                g.batch = g.decoder.step(g.batch)
+                self.forwards += 1
+        except Exception as exc:  # noqa: BLE001 - an engine fault fails this batch's requests, not the server
+            for t in g.tickets:
+                self._complete(t, None, exc)
+            del self.groups[key]
+            return
+        self._deliver(key)
+
+    def _deliver(self, key: tuple) -> None:
+        """Requests whose row left the batch get their Result; an empty batch is dropped."""
+        g = self.groups[key]
+        for t in [t for t in g.tickets if t.row is not None and t.row.summary is not None]:
+            self._complete(t, t.row.summary)
+        g.tickets = [t for t in g.tickets if not t.finished.is_set()]
+        if not g.batch.rows:
+            del self.groups[key]
+
+    def _model(self, mode: str) -> torch.nn.Module:
+        return self.engine.lm.dllm if mode == "diffusion" else self.engine.lm.base
+
+    def _complete(self, t: Ticket, summary: Summary | None, error: BaseException | None = None) -> None:
+        if summary is not None:
+            if t.trace is not None:
+                t.trace.summary = summary
+            t.result = Result(summary, t.trace)
+        if error is not None and t.error is None:
+            t.error = error
+        t.row = None
+        t.finished.set()
+        if t.on_finish is not None:
+            try:
+                t.on_finish(t)
+            except Exception:  # noqa: BLE001 - a gone consumer (closed event loop) must not stop the scheduler
+                pass
+
+    def _fail_all(self, error: BaseException) -> None:
+        for t in list(self.waiting) + [t for g in self.groups.values() for t in g.tickets]:
+            self._complete(t, None, error)
+        self.waiting.clear()
+        self.groups.clear()
