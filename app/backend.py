@@ -19,6 +19,7 @@ from typing import Any
 import httpx
 
 from engine import ConfigError, DecodeConfig, Event, Result, Summary, Trace
+from engine.config import fit_to_context
 from engine.decode import Cancel
 from engine.events import Listener
 
@@ -97,15 +98,7 @@ class RemoteEngine:
         return cfg.validate()
 
     def check_ids(self, ids: list[list[int]], cfg: DecodeConfig) -> DecodeConfig:
-        for i, p in enumerate(ids):
-            if not p:
-                raise ConfigError("prompt", f"prompt {i} is empty")
-            room = self.max_context - len(p)
-            if room < 1:
-                raise ConfigError("prompt", f"prompt {i} has {len(p)} tokens; the model's context is {self.max_context}")
-            if cfg.max_new_tokens > room:
-                cfg = replace(cfg, max_new_tokens=room)
-        return cfg.validate()
+        return fit_to_context(ids, cfg, self.max_context).validate()
 
     def trace_header(self, ids: list[int], cfg: DecodeConfig, prompt: str | None) -> dict[str, Any]:
         lm = self.lm

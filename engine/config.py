@@ -1,7 +1,7 @@
 """Configuration dataclasses at the engine's borders, with validation that names the field."""
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Literal
 
 Mode = Literal["diffusion", "ar"]
@@ -140,3 +140,16 @@ class DecodeConfig:
         if "stop_token_ids" in d:
             d["stop_token_ids"] = tuple(d["stop_token_ids"] or ())
         return cls(**d)
+
+
+def fit_to_context(ids: list[list[int]], cfg: DecodeConfig, max_context: int) -> DecodeConfig:
+    """Refuse empty or too-long prompts; clip max_new_tokens to the room the longest prompt leaves."""
+    for i, p in enumerate(ids):
+        if not p:
+            raise ConfigError("prompt", f"prompt {i} is empty")
+        room = max_context - len(p)
+        if room < 1:
+            raise ConfigError("prompt", f"prompt {i} has {len(p)} tokens; the model's context is {max_context}")
+        if cfg.max_new_tokens > room:
+            cfg = replace(cfg, max_new_tokens=room)
+    return cfg

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from .config import ConfigError, DecodeConfig
+from .config import ConfigError, DecodeConfig, fit_to_context
 from .decode import Cancel, Decoder
 from .events import Event, Listener, Summary, Trace
 from .loading import LoadedModel, load
@@ -124,15 +124,7 @@ class Engine:
         cfg.validate()
         if cfg.mode == "diffusion" and not self.can_diffuse:
             raise ConfigError("mode", "this model has no |<MASK>| token and cannot decode by block diffusion; use 'ar'")
-        for i, p in enumerate(ids):
-            if not p:
-                raise ConfigError("prompt", f"prompt {i} is empty")
-            room = self.max_context - len(p)
-            if room < 1:
-                raise ConfigError("prompt", f"prompt {i} has {len(p)} tokens; the model's context is {self.max_context}")
-            if cfg.max_new_tokens > room:
-                cfg = replace(cfg, max_new_tokens=room)
-        return cfg
+        return fit_to_context(ids, cfg, self.max_context)
 
     def trace_header(self, ids: list[int], cfg: DecodeConfig, prompt: str | None) -> dict[str, Any]:
         """What a trace (and a live view, before its first event) needs to lay out and label a run."""
