@@ -102,8 +102,8 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.h * self.d, cfg.hidden_size, bias=False)
         self.qkv: nn.Module | None = None  # fused q|k|v of the CPU decode layout (engine/packing.py)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, pos: Tensor, cache: KVCache | None,
-                start: int | None, kv_len: int | None, mask: Tensor | Attend | None, causal: bool) -> Tensor:
+    def project(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """q, k, v as [B, heads, T, head_dim], RoPE applied (shared with engine/static.py's step)."""
         b, t, _ = x.shape
         if self.qkv is not None:
             q, k, v = self.qkv(x).split(self.qkv.splits, dim=-1)
@@ -112,8 +112,12 @@ class Attention(nn.Module):
         q = q.view(b, t, self.h, self.d).transpose(1, 2)
         k = k.view(b, t, self.hkv, self.d).transpose(1, 2)
         v = v.view(b, t, self.hkv, self.d).transpose(1, 2)
-        q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
+        return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin, v
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, pos: Tensor, cache: KVCache | None,
+                start: int | None, kv_len: int | None, mask: Tensor | Attend | None, causal: bool) -> Tensor:
+        b, t, _ = x.shape
+        q, k, v = self.project(x, cos, sin)
         if cache is not None:
             cache.write(self.layer, k, v, pos, start)
             k = cache.k[self.layer, :, :, :kv_len]

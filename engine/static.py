@@ -80,15 +80,7 @@ def static_forward(model: CausalLM, cos_t: Tensor, sin_t: Tensor, keys: Tensor, 
     for i, layer in enumerate(model.model.layers):
         att = layer.self_attn
         h = layer.input_layernorm(x)
-        if att.qkv is not None:
-            q, k, v = att.qkv(h).split(att.qkv.splits, dim=-1)
-        else:
-            q, k, v = att.q_proj(h), att.k_proj(h), att.v_proj(h)
-        q = q.view(b, t, att.h, att.d).transpose(1, 2)
-        k = k.view(b, t, att.hkv, att.d).transpose(1, 2)
-        v = v.view(b, t, att.hkv, att.d).transpose(1, 2)
-        q = q * cos + _rotate_half(q) * sin
-        k = k * cos + _rotate_half(k) * sin
+        q, k, v = att.project(h, cos, sin)
         slots = s.write[:, None, :, None].expand(b, att.hkv, t, att.d)
         cache.k[i].scatter_(2, slots, k)
         cache.v[i].scatter_(2, slots, v)
@@ -98,11 +90,6 @@ def static_forward(model: CausalLM, cos_t: Tensor, sin_t: Tensor, keys: Tensor, 
         x = x + layer.mlp(layer.post_attention_layernorm(x))
     x = x.gather(1, s.idx[..., None].expand(-1, -1, x.shape[-1]))
     return model.lm_head(model.model.norm(x))
-
-
-def _rotate_half(x: Tensor) -> Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
 
 
 class StaticStepper:

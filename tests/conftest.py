@@ -16,6 +16,17 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("FASTDLLM_WEIGHTS", "fp32")
 
 
+@pytest.fixture
+def one_thread():
+    """Tiny matmuls: thread hand-offs cost more than they save (and the CI CPU is shared)."""
+    import torch
+
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 @pytest.fixture(scope="session")
 def engine():
     """The default engine: bundled SmolLM2-135M + the trained adapter from assets/ (the studio's default)."""

@@ -20,18 +20,13 @@ from training.data import load_examples
 from training.data_prompts import EvalFilter, load_excluded_prompts
 from training.selfinstruct import Shard, prompt_key
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
+
 BENCH_PROMPT = "What is the capital of France? Answer with one word."
 TOY_DATA = ["--magpie", "4", "--magpie-batch", "4", "--magpie-max-new-tokens", "32", "--batch-size", "8",
             "--max-new-tokens", "12", "--shard-examples", "4"]
 TOY_TRAIN = ["--batch-size", "2", "--max-len", "64", "--rank", "4", "--alpha", "8", "--warmup-steps", "1", "--epochs", "1"]
 
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,9 @@ from training.data import PAIR_READERS, load_data
 from training.recipe import IGNORE, LossConfig, build_batch, draw_noise, loss_parts
 from training.train import TrainConfig, Trainer
 
-from test_training import BS, MASK, PAD, VOCAB, cfg, examples, one_thread, tiny_model  # noqa: F401
+from test_training import BS, MASK, PAD, VOCAB, cfg, examples, tiny_model  # noqa: F401 (fixtures)
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 
 
 def batch_of(exs, recipe="full", seed=0):

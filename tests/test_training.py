@@ -16,16 +16,10 @@ from training.lora import LoRALinear
 from training.recipe import IGNORE, attention_mask, batch_loss, build_batch, draw_noise, padded_len, views_for
 from training.train import TrainConfig, Trainer
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
+
 VOCAB, MASK, PAD, BS = 64, 64, 0, 4
 
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny matmuls: thread hand-offs cost more than they save (and the CI CPU is shared)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def tiny_model(seed: int = 0) -> CausalLM:
