@@ -302,6 +302,28 @@ def test_client_that_disconnects_stops_the_engine(server, mode, sched, spy):
           f"{res.summary.nfe} forwards run; RSS {before:.0f} -> {after:.0f} MB")
 
 
+def test_cancel_drops_only_that_visitors_row(server, mode, sched, spy):
+    """Two visitors in one batch: the one who cancels leaves within one forward; the other's answer is unchanged."""
+    from gradio_client import Client
+
+    a, b = Client(server.url, verbose=False), Client(server.url, verbose=False)
+    shared = {"mode": mode, "cache": "block", "threshold": 1.0, "temperature": 0.0}  # one batch key for both
+    ref = b.predict(PROMPTS[3], [], {**shared, "max_new_tokens": 16}, api_name="/generate")
+    forwards0 = sched.forwards
+    long = a.submit("Count from one to fifty.", [], {**shared, "max_new_tokens": 64}, api_name="/generate")
+    wait_until(lambda: bool(long.outputs()), 120)
+    short = b.submit(PROMPTS[3], [], {**shared, "max_new_tokens": 16}, api_name="/generate")
+    wait_until(lambda: bool(short.outputs()), 60)  # both rows are decoding now
+    long.cancel()
+    text, trace_json = short.result(timeout=120)
+    assert (text, Trace.loads(trace_json).summary.token_ids) == (ref[0], Trace.loads(ref[1]).summary.token_ids)
+    cancelled = next(r for r in spy if r["result"] is not None and r["result"].summary.stop_reason == "cancelled")
+    assert cancelled["after_cancel"] <= 1 and cancelled["result"].summary.answer_tokens < 64
+    rows = sum(r["result"].summary.nfe for r in spy[-2:])  # the long run's and the short one's
+    assert sched.forwards - forwards0 < rows  # they shared forwards while both ran
+    wait_until(lambda: idle(sched), 10)
+
+
 def test_closing_a_ui_run_stops_the_engine(server, mode, sched, spy):
     """The chat handler is a generator; Gradio closes it when the tab goes away: the engine stops with it."""
     chat_ui = ui_handler(server, "chat_ui")
