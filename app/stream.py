@@ -14,7 +14,6 @@ from __future__ import annotations
 import queue
 import threading
 import time
-import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -27,7 +26,7 @@ _engine: Engine | None = None
 _cancels: dict[str, threading.Event] = {}
 _cancels_lock = threading.Lock()
 
-_schedulers: weakref.WeakKeyDictionary[Engine, Scheduler] = weakref.WeakKeyDictionary()
+_schedulers: dict[Engine, Scheduler] = {}  # one per engine, for the process's life (its worker thread sleeps idle)
 _schedulers_lock = threading.Lock()
 
 try:  # Hugging Face ZeroGPU: the GPU generation function must be decorated; elsewhere nothing changes
