@@ -113,6 +113,11 @@ def _entry(trace: Trace, traces: list[dict], tag: str, key: str = "") -> list[di
     return (traces + [entry])[-MAX_SESSION_TRACES:]
 
 
+def run_key(request: gr.Request, panel: str) -> str:
+    """Whose Stop flag a run uses: a tab's chat, race and sweep may decode at once, and each Stop stops its own."""
+    return f"{request.session_hash}:{panel}"
+
+
 def _key(prep: Prepared) -> str:
     """Runs with the same prompt ids and length budget are comparable (AR vs diffusion meters)."""
     return f"{hash(tuple(prep.ids))}:{prep.cfg.max_new_tokens}"
@@ -333,7 +338,7 @@ def build(studio: Studio, slots: int = SLOTS) -> gr.Blocks:
                     if delta or not events else {}
 
             start = {msg: "", send: gr.update(interactive=False), stop: gr.update(interactive=True)}
-            result, last = yield from live_run(prep, request.session_hash, live, start, bubble)
+            result, last = yield from live_run(prep, run_key(request, "chat"), live, start, bubble)
             stopped = result.summary.stop_reason == render.STOPPED
             reply = {"role": "assistant", "content": result.text, **({"stopped": True} if stopped else {})}
             new_conv = conv + [user, reply]
@@ -361,11 +366,13 @@ def build(studio: Studio, slots: int = SLOTS) -> gr.Blocks:
         chatbot.example_select(pick_example, None, msg, **private).then(chat_ui, *chat_args, **quiet).then(
             *idle, **private)
 
-        def stop_run(request: gr.Request) -> None:
-            request_stop(request.session_hash)
+        def stopper(panel: str):
+            def stop_run(request: gr.Request) -> None:
+                request_stop(run_key(request, panel))
+            return stop_run
 
-        for b in (stop, race_stop, sweep_stop):
-            b.click(stop_run, None, None, **private)
+        for b, panel in ((stop, "chat"), (race_stop, "race"), (sweep_stop, "sweep")):
+            b.click(stopper(panel), None, None, **private)
 
         # every way of clearing (our button, the chatbot's own trash icon) empties the conversation state too
         def clear_chat():
@@ -420,7 +427,7 @@ def build(studio: Studio, slots: int = SLOTS) -> gr.Blocks:
             for n in range(reps):
                 for prep in preps:
                     mode = prep.cfg.mode
-                    result, last = yield from live_run(prep, request.session_hash, views[mode])
+                    result, last = yield from live_run(prep, run_key(request, "race"), views[mode])
                     runs[mode].append(result)
                     stopped = result.summary.stop_reason == render.STOPPED
                     if stopped:
@@ -456,7 +463,7 @@ def build(studio: Studio, slots: int = SLOTS) -> gr.Blocks:
                 reps = check_repeats(reps)
             except ConfigError as e:
                 raise error(e) from None
-            key, rows = request.session_hash, []
+            key, rows = run_key(request, "sweep"), []
             total = len(plan) * reps
             yield {sweep_btn: gr.update(interactive=False, value=f"Running 0/{total}…"),
                    sweep_stop: gr.update(interactive=True), sweep_status: ""}

@@ -347,6 +347,34 @@ def test_closing_a_ui_run_stops_the_engine(server, mode, sched, spy):
         assert spy[-1]["result"].summary.stop_reason == "cancelled"
 
 
+def test_each_panels_stop_stops_only_its_own_run(server, mode, sched, spy):
+    """One tab's chat and race decode at once now: the chat's Stop stops the chat, the race carries on."""
+    from app.stream import request_stop
+    from app.ui import run_key
+
+    if mode != "diffusion":
+        pytest.skip("race needs block diffusion")
+    tab = session("two-panels")
+    chat = ui_handler(server, "chat_ui")(tab, "Count from one to fifty.", [], [],
+                                         *widget_values(mode, max_new_tokens=64, threshold=1.0))
+    race = ui_handler(server, "race_ui")(tab, "Count from one to fifty.", 1, [],
+                                         *widget_values(mode, max_new_tokens=64, threshold=1.0))
+    try:
+        for _ in chat:
+            if spy and spy[-1]["events"] >= 2:
+                break
+        for _ in race:
+            if len(spy) == 2 and spy[1]["events"] >= 2:
+                break
+        assert request_stop(run_key(tab, "chat"))
+        *_, last = chat
+        assert spy[0]["result"].summary.stop_reason == "cancelled" and spy[0]["after_cancel"] <= 1
+        assert not spy[1]["cancel"].is_set() and spy[1]["result"] is None  # the race still decodes
+    finally:
+        race.close()
+    assert spy[1]["result"].summary.stop_reason == "cancelled"  # closing its handler stopped it too
+
+
 # ---------------------------------------------------------------- soak
 def _random_settings(rng: random.Random, mode: str) -> dict:
     bs = rng.choice(BLOCK_SIZES)
