@@ -9,12 +9,18 @@ from typing import Any, TypedDict
 import gradio as gr
 
 from engine import ConfigError, Result
+from engine.scheduler import MAX_BATCH
 
 from .settings import BLOCK_SIZES, INFO, MAX_NEW_TOKENS, MAX_REPEATS
 from .studio import Studio, summary_dict
 from .traces import TraceError, parse_trace
 
-ENGINE = dict(concurrency_id="engine", concurrency_limit=1)
+SLOTS = MAX_BATCH  # visitors decoding at once (their rows share the scheduler's forwards); more wait in the queue
+
+
+def engine_slots(slots: int) -> dict[str, Any]:
+    """Every decoding event shares one Gradio concurrency group of `slots`."""
+    return dict(concurrency_id="engine", concurrency_limit=slots)
 
 
 class RunSummary(TypedDict):
@@ -101,7 +107,7 @@ def streamed(fn: Callable) -> Callable:
     return _typed(call, fn)
 
 
-def register(studio: Studio, defaults: dict[str, Any]) -> None:
+def register(studio: Studio, defaults: dict[str, Any], slots: int = SLOTS) -> None:
     """Add the named endpoints to the Blocks being built. Every decoding setting is checked by the same rules as
     the UI's (app/settings.py: block sizes, max_new_tokens, repeats)."""
     eng = studio.engine
@@ -138,8 +144,9 @@ def register(studio: Studio, defaults: dict[str, Any]) -> None:
                 "limits": {"block_sizes": list(BLOCK_SIZES), "max_new_tokens": MAX_NEW_TOKENS, "repeats": MAX_REPEATS},
                 "settings_help": INFO}
 
-    gr.api(streamed(generate), api_name="generate", **ENGINE)
-    gr.api(streamed(race), api_name="race", **ENGINE)
-    gr.api(streamed(sweep), api_name="sweep", **ENGINE)
+    engine = engine_slots(slots)
+    gr.api(streamed(generate), api_name="generate", **engine)
+    gr.api(streamed(race), api_name="race", **engine)
+    gr.api(streamed(sweep), api_name="sweep", **engine)
     gr.api(plain(check_trace), api_name="check_trace")
     gr.api(plain(info), api_name="info")

@@ -4,16 +4,21 @@ The engine calls its listener synchronously from the decoding thread; the UI is 
 A queue joins them, and batching to at most ~30 frames per second keeps the browser smooth however
 fast the engine steps. Stop requests are threading.Events found by a key (the browser session), so the
 GPU function below takes only picklable arguments, as ZeroGPU on Hugging Face Spaces requires.
+
+An in-process Engine decodes through the continuous-batching scheduler (engine/scheduler.py), the one
+`python -m engine serve` uses: concurrent visitors' rows share forwards. A remote engine batches on its server;
+on ZeroGPU the GPU is only held inside the decorated function, so there each decode runs on its own thread.
 """
 from __future__ import annotations
 
 import queue
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from engine import DecodeConfig, Engine, Event, Result
+from engine.scheduler import Scheduler
 
 FRAME_SECONDS = 1 / 30
 
@@ -21,13 +26,18 @@ _engine: Engine | None = None
 _cancels: dict[str, threading.Event] = {}
 _cancels_lock = threading.Lock()
 
+_schedulers: dict[Engine, Scheduler] = {}  # one per engine, for the process's life (its worker thread sleeps idle)
+_schedulers_lock = threading.Lock()
+
 try:  # Hugging Face ZeroGPU: the GPU generation function must be decorated; elsewhere nothing changes
     import spaces  # type: ignore[import-not-found]
 
     _gpu = spaces.GPU(duration=120)
+    ZERO_GPU = True
 except ImportError:  # pragma: no cover - depends on the host
     def _gpu(fn):
         return fn
+    ZERO_GPU = False
 
 
 def set_engine(engine: Engine) -> None:
@@ -39,6 +49,17 @@ def get_engine() -> Engine:
     if _engine is None:
         raise RuntimeError("the studio has no engine loaded")
     return _engine
+
+
+def scheduler_for(engine: Any) -> Scheduler | None:
+    """The engine's shared scheduler (one per in-process Engine, started on first use); None where decodes go
+    straight to engine.generate_ids (a remote engine, ZeroGPU)."""
+    if ZERO_GPU or not isinstance(engine, Engine):
+        return None
+    with _schedulers_lock:
+        if engine not in _schedulers:
+            _schedulers[engine] = Scheduler(engine)
+        return _schedulers[engine]
 
 
 def cancel_event(key: str) -> threading.Event:
@@ -73,19 +94,15 @@ def decode_stream(ids: list[int], cfg: DecodeConfig, prompt_text: str | None, ke
     if cancel is None:
         cancel = threading.Event()
     q: queue.SimpleQueue[Event | None] = queue.SimpleQueue()
-    box: dict[str, Any] = {}
-
-    def work() -> None:
-        try:
-            [box["result"]] = engine.generate_ids([ids], cfg, listener=q.put, cancel=cancel, record=True,
-                                                  prompt_texts=[prompt_text] if prompt_text is not None else None)
-        except BaseException as e:  # re-raised in the caller's thread
-            box["error"] = e
-        finally:
-            q.put(None)
-
-    worker = threading.Thread(target=work, name="fastdllm-decode", daemon=True)
-    worker.start()
+    texts = [prompt_text] if prompt_text is not None else None
+    sched = scheduler_for(engine)
+    if sched is not None:  # the row joins whatever batch of its settings is decoding
+        ticket = sched.submit(ids, cfg, listener=q.put, prompt_text=prompt_text, record=True,
+                              on_finish=lambda _: q.put(None), stop=cancel)
+        running, finish, outcome = (lambda: not ticket.finished.is_set()), ticket.finished.wait, ticket.wait
+    else:
+        running, finish, outcome = _thread(lambda: engine.generate_ids([ids], cfg, listener=q.put, cancel=cancel,
+                                                                       record=True, prompt_texts=texts)[0], q)
     last, done = 0.0, False
     try:
         while not done:
@@ -108,9 +125,31 @@ def decode_stream(ids: list[int], cfg: DecodeConfig, prompt_text: str | None, ke
                 last = time.perf_counter()
                 yield batch, None
     finally:
-        if worker.is_alive():  # the consumer went away (tab closed, generator closed): stop the engine
+        if running():  # the consumer went away (tab closed, generator closed): stop the decode
             cancel.set()
-        worker.join()
-    if "error" in box:
-        raise box["error"]
-    yield [], box["result"]
+        finish()  # returns once the row has left its batch: within one forward
+    yield [], outcome()
+
+
+def _thread(decode: Callable[[], Result], q: queue.SimpleQueue) -> tuple[Callable[[], bool], Callable[[], Any],
+                                                                          Callable[[], Result]]:
+    """decode() on its own thread, ending q with None: (is it running, wait for it, its result or error)."""
+    box: dict[str, Any] = {}
+
+    def work() -> None:
+        try:
+            box["result"] = decode()
+        except BaseException as e:  # re-raised in the caller's thread
+            box["error"] = e
+        finally:
+            q.put(None)
+
+    worker = threading.Thread(target=work, name="fastdllm-decode", daemon=True)
+    worker.start()
+
+    def outcome() -> Result:
+        if "error" in box:
+            raise box["error"]
+        return box["result"]
+
+    return worker.is_alive, worker.join, outcome

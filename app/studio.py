@@ -144,7 +144,7 @@ class Studio:
 
     def race(self, message: str, settings: dict | None = None, repeats: int = 1) -> Iterator[dict[str, Any]]:
         """The same prompt by block diffusion and by the AR baseline, `repeats` times, interleaved (diffusion, AR,
-        diffusion, AR, ...) so slow drifts of a shared machine hit both alike. One engine: sequential.
+        diffusion, AR, ...) so slow drifts of a shared machine hit both alike; never side by side.
 
         Yields {running: mode, run: n, text: answer so far} once per frame, last the median runs' summaries,
         every run's summary and the speed-up (median of the pairs' ratios, and its range).
@@ -163,7 +163,7 @@ class Studio:
         diffs, ars = ([r.summary for r in runs[m]] for m in ("diffusion", "ar"))
         ratios = [d.tokens_per_second / max(a.tokens_per_second, 1e-9) for d, a in zip(diffs, ars)]
         diff, ar = (sorted(xs, key=lambda r: r.tokens_per_second)[(len(xs) - 1) // 2] for xs in (diffs, ars))
-        yield {"order": "interleaved: diffusion, AR, diffusion, AR, ... (one engine, one lock)", "repeats": repeats,
+        yield {"order": "interleaved: diffusion, AR, diffusion, AR, ... (one run at a time)", "repeats": repeats,
                "diffusion": summary_dict(Result(diff, None)), "ar": summary_dict(Result(ar, None)),
                "runs": {m: [summary_dict(r) for r in runs[m]] for m in runs},
                "speedup": statistics.median(ratios), "speedup_range": [min(ratios), max(ratios)],

@@ -16,7 +16,7 @@ import gradio as gr
 from engine import ConfigError, Event, Result, Trace
 
 from . import api, plots, render
-from .api import ENGINE, error
+from .api import SLOTS, engine_slots, error
 from .card import measured_for
 from .settings import BLOCK_SIZES, INFO, MAX_NEW_TOKENS, MAX_REPEATS, PRESETS, SETTING_KEYS, SWEEP_THRESHOLDS, \
     check_repeats, defaults, divisors, fit_sub_block, settings_from_widgets
@@ -26,7 +26,7 @@ from .traces import MAX_TRACE_BYTES, TraceError, parse_trace, trace_label
 
 STATIC = Path(__file__).resolve().parent.parent / "static"
 MAX_SESSION_TRACES = 24
-QUEUE_SIZE = 16  # requests waiting for the engine (FASTDLLM_QUEUE_SIZE); one more is refused at once
+QUEUE_SIZE = 16  # requests waiting for a decoding slot (FASTDLLM_QUEUE_SIZE); one more is refused at once
 SWEEP_COLUMNS = ("threshold", "block_size", "sub_block_size", "runs", "tokens_per_second", "tokens_per_second_min",
                  "tokens_per_second_max", "tokens_per_forward", "nfe", "answer_tokens", "seconds", "stop_reason")
 EXAMPLES = ["What is the capital of France?", "Write a haiku about the sea.",
@@ -113,6 +113,11 @@ def _entry(trace: Trace, traces: list[dict], tag: str, key: str = "") -> list[di
     return (traces + [entry])[-MAX_SESSION_TRACES:]
 
 
+def run_key(request: gr.Request, panel: str) -> str:
+    """Whose Stop flag a run uses: a tab's chat, race and sweep may decode at once, and each Stop stops its own."""
+    return f"{request.session_hash}:{panel}"
+
+
 def _key(prep: Prepared) -> str:
     """Runs with the same prompt ids and length budget are comparable (AR vs diffusion meters)."""
     return f"{hash(tuple(prep.ids))}:{prep.cfg.max_new_tokens}"
@@ -133,7 +138,8 @@ def _replay_outputs(traces: list[dict], index: int) -> tuple[Any, str, Any, Any,
             gr.update(value=e["path"], interactive=True), meta)
 
 
-def build(studio: Studio) -> gr.Blocks:
+def build(studio: Studio, slots: int = SLOTS) -> gr.Blocks:
+    """The studio's Blocks; `slots` visitors decode at once (their rows batched by the scheduler)."""
     eng = studio.engine
     lm = eng.lm
     d = defaults(eng.can_diffuse, studio.default_block_size)
@@ -217,8 +223,8 @@ def build(studio: Studio) -> gr.Blocks:
                 heatmap = gr.Plot(plots.heatmap_figure(None), show_label=False, elem_id="fd-heatmap")
             with gr.Tab("Race", id="race", elem_id="fd-tab-race"):
                 gr.Markdown("One prompt decoded by **Fast-dLLM v2 block diffusion** and by the **AR baseline** (same "
-                            "base weights, no adapter). The engine runs one generation at a time, so the runs "
-                            "**alternate: diffusion, AR, diffusion, AR, …**; the meters show the median run, the "
+                            "base weights, no adapter). The two never run side by side (so neither slows the other), the "
+                            "runs **alternate: diffusion, AR, diffusion, AR, …**; the meters show the median run, the "
                             "tokens/s range over the repeats, all on engine time.")
                 with gr.Row():
                     race_msg = gr.Textbox(value=EXAMPLES[1], show_label=False, scale=6, placeholder="Prompt to race",
@@ -332,7 +338,7 @@ def build(studio: Studio) -> gr.Blocks:
                     if delta or not events else {}
 
             start = {msg: "", send: gr.update(interactive=False), stop: gr.update(interactive=True)}
-            result, last = yield from live_run(prep, request.session_hash, live, start, bubble)
+            result, last = yield from live_run(prep, run_key(request, "chat"), live, start, bubble)
             stopped = result.summary.stop_reason == render.STOPPED
             reply = {"role": "assistant", "content": result.text, **({"stopped": True} if stopped else {})}
             new_conv = conv + [user, reply]
@@ -350,7 +356,7 @@ def build(studio: Studio) -> gr.Blocks:
 
         chat_args = ([msg, convo, traces, *widgets], chat_outputs)
         idle = (lambda: (gr.update(interactive=True), gr.update(interactive=False)), None, [send, stop])
-        quiet = dict(api_visibility="private", show_progress="hidden", **ENGINE)  # the live view shows progress
+        quiet = dict(api_visibility="private", show_progress="hidden", **engine_slots(slots))  # the live view shows progress
         gr.on([msg.submit, send.click], chat_ui, *chat_args, **quiet).then(*idle, **private)
 
         def pick_example(e: gr.SelectData) -> str:
@@ -360,11 +366,13 @@ def build(studio: Studio) -> gr.Blocks:
         chatbot.example_select(pick_example, None, msg, **private).then(chat_ui, *chat_args, **quiet).then(
             *idle, **private)
 
-        def stop_run(request: gr.Request) -> None:
-            request_stop(request.session_hash)
+        def stopper(panel: str):
+            def stop_run(request: gr.Request) -> None:
+                request_stop(run_key(request, panel))
+            return stop_run
 
-        for b in (stop, race_stop, sweep_stop):
-            b.click(stop_run, None, None, **private)
+        for b, panel in ((stop, "chat"), (race_stop, "race"), (sweep_stop, "sweep")):
+            b.click(stopper(panel), None, None, **private)
 
         # every way of clearing (our button, the chatbot's own trash icon) empties the conversation state too
         def clear_chat():
@@ -413,13 +421,13 @@ def build(studio: Studio) -> gr.Blocks:
             runs: dict[str, list[Result]] = {"diffusion": [], "ar": []}
             views = {"diffusion": race_d, "ar": race_ar}
             yield {race_btn: gr.update(interactive=False), race_d: render.live_clear(message="Starting…"),
-                   race_ar: render.live_clear(message="Runs after each diffusion run (one engine)."),
+                   race_ar: render.live_clear(message="Runs after each diffusion run."),
                    race_meters: render.race_html([], [], f"Run 1/{reps}: Fast-dLLM v2…")}
             stopped = False
             for n in range(reps):
                 for prep in preps:
                     mode = prep.cfg.mode
-                    result, last = yield from live_run(prep, request.session_hash, views[mode])
+                    result, last = yield from live_run(prep, run_key(request, "race"), views[mode])
                     runs[mode].append(result)
                     stopped = result.summary.stop_reason == render.STOPPED
                     if stopped:
@@ -455,7 +463,7 @@ def build(studio: Studio) -> gr.Blocks:
                 reps = check_repeats(reps)
             except ConfigError as e:
                 raise error(e) from None
-            key, rows = request.session_hash, []
+            key, rows = run_key(request, "sweep"), []
             total = len(plan) * reps
             yield {sweep_btn: gr.update(interactive=False, value=f"Running 0/{total}…"),
                    sweep_stop: gr.update(interactive=True), sweep_status: ""}
@@ -489,7 +497,7 @@ def build(studio: Studio) -> gr.Blocks:
             lambda: (gr.update(interactive=True, value="Run sweep"), gr.update(interactive=False)), None,
             [sweep_btn, sweep_stop], **private)
 
-        api.register(studio, d)
+        api.register(studio, d, slots)
     return demo
 
 

@@ -26,7 +26,7 @@ class Result:
 
 
 class Engine:
-    """One model, used by one generation at a time (a lock serialises callers such as studio users)."""
+    """One model; its lock serialises direct generate() callers and the scheduler's passes (engine/scheduler.py)."""
 
     def __init__(self, lm: LoadedModel, static: bool | None = None):
         self.lm = lm

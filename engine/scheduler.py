@@ -99,11 +99,14 @@ class Scheduler:
     # ---------------------------------------------------------------- callers' side
     def submit(self, ids: list[int], cfg: DecodeConfig, *, listener: Listener | None = None,
                prompt_text: str | None = None, record: bool = True,
-               on_finish: Callable[[Ticket], None] | None = None) -> Ticket:
-        """Queue one prompt (token ids); ConfigError for bad settings or prompts, SchedulerBusy when full."""
+               on_finish: Callable[[Ticket], None] | None = None, stop: threading.Event | None = None) -> Ticket:
+        """Queue one prompt (token ids); ConfigError for bad settings or prompts, SchedulerBusy when full.
+        `stop` lets the caller's own flag (the studio's Stop button) cancel the row."""
         cfg = self.engine.check_ids([ids], cfg)
         trace = Trace(self.engine.trace_header(ids, cfg, prompt_text)) if record else None
         t = Ticket(list(ids), cfg, listener, trace, on_finish=on_finish)
+        if stop is not None:
+            t.stop = stop
         with self._cv:
             if self._closed:
                 raise RuntimeError("the scheduler is closed")
