@@ -73,10 +73,13 @@ def banner_html(lm: Any, can_diffuse: bool, title: str = "", measured: Measured 
     """Which model, why it was chosen, where it runs, and how good it measured (from its model card)."""
     adapter = " + Fast-dLLM v2 adapter" if lm.source.adapter else ""
     dtype = str(lm.dtype).replace("torch.", "")
+    weights = str((getattr(lm, "info", None) or {}).get("weights", dtype))  # e.g. the GGUF's 4-bit blocks on CPU
     parts = [f'<span class="fd-title">{esc(title)}</span>'] if title else []
     parts += [f'<span class="fd-model">{esc(lm.name + adapter)}</span>',
               f'<span class="fd-chip" title="why this model was chosen">{esc(lm.source.reason)}</span>',
               f'<span class="fd-chip">{esc(lm.device.type)}</span>', f'<span class="fd-chip">{esc(dtype)}</span>',
+              *([f'<span class="fd-chip" title="how the weights are stored and multiplied (FASTDLLM_WEIGHTS)">'
+                 f'{esc(weights)} weights</span>'] if weights != dtype else []),
               f'<a class="fd-chip fd-link" href="{PAPER_URL}" target="_blank" rel="noopener">'
               'paper: arXiv 2509.26328</a>']
     note = ""

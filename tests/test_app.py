@@ -154,6 +154,11 @@ def test_banner_and_presets_say_what_was_measured(engine):
     acc, tpf = m.at(0.9)
     assert f"{tpf:.2f} tokens per forward" in banner and f"{100 * acc / m.ar_accuracy:.0f}% of its AR base" in banner
     assert "arxiv.org/abs/2509.26328" in banner
+    assert "weights</span>" not in banner  # fp32 weights: the dtype chip says it all
+    from dataclasses import replace
+
+    lm4 = replace(engine.lm, info={**engine.lm.info, "weights": "int4+bf16"})  # the CPU default's banner
+    assert ">int4+bf16 weights</span>" in render.banner_html(lm4, True, "t", m, 0.9)
     from app.settings import PRESETS
 
     assert [p["settings"]["threshold"] for p in PRESETS] == [1.0, 0.9, 0.7]
