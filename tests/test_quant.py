@@ -32,7 +32,7 @@ def test_int4_linear_int4_and_dense_paths_and_lora(gguf):
     weight = quant.Int4Weight(blocks, dense_bf16=True)
     ref_w = blocks.dequantize()
     a, b = torch.randn(8, 576) * 0.05, torch.randn(3072, 8) * 0.05
-    lora = quant.LoRA([(a[:4], b[:1536, :4]), (a[4:], b[1536:, 4:])], 2.0)
+    lora = quant.LoRA([(a[:4], b[:1536, :4]), (a[4:], b[1536:, 4:])], [1536, 1536], 2.0)
     lin = quant.Int4Linear(weight, [1536, 1536], wide_rows=4, lora=lora)
     delta = 2.0 * torch.block_diag(b[:1536, :4], b[1536:, 4:]) @ a
     for rows in (1, 3, 4, 9):  # below wide_rows: int4 kernel; from it: dense bf16
@@ -44,7 +44,12 @@ def test_int4_linear_int4_and_dense_paths_and_lora(gguf):
     weight.dense = torch.zeros_like(weight.dense)  # the switch really happens at wide_rows
     assert lin(torch.randn(1, 3, 576)).abs().max() > 0.1
     x = torch.randn(1, 4, 576)
-    torch.testing.assert_close(lin(x), F.linear(x, delta), atol=1e-4, rtol=1e-4)
+    ref = F.linear(x, delta)  # the LoRA path alone (fp32, each part into its own output slice)
+    torch.testing.assert_close(lin(x), ref, atol=1e-4, rtol=1e-4)
+    only_up = quant.LoRA([None, (a[4:], b[1536:, 4:])], [1536, 1536], 2.0)  # a part without an adapter adds nothing
+    y = only_up.add_to(torch.zeros(4, 3072), x[0])
+    assert y[:, :1536].abs().max() == 0
+    torch.testing.assert_close(y[:, 1536:], ref[0, :, 1536:], atol=1e-4, rtol=1e-4)
 
 
 def test_weight_policy_errors_name_the_setting(monkeypatch):
