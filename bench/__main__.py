@@ -1,10 +1,10 @@
-"""python -m bench {throughput,quality,profile,forward,roofline,gpu,memory,serve}: the Fast-dLLM v2 benchmarks."""
+"""python -m bench {throughput,quality,profile,forward,kernels,roofline,gpu,memory,serve}: the Fast-dLLM v2 benchmarks."""
 from __future__ import annotations
 
 import argparse
 import sys
 
-from . import forward, gpu, memory, profile, quality, roofline, serve, throughput
+from . import forward, gpu, kernels, memory, profile, quality, roofline, serve, throughput
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -14,6 +14,7 @@ def main(argv: list[str] | None = None) -> int:
     quality.add_parser(sub)
     profile.add_parser(sub)
     forward.add_parser(sub)
+    kernels.add_parser(sub)
     roofline.add_parser(sub)
     gpu.add_parser(sub)
     memory.add_parser(sub)

@@ -258,3 +258,19 @@ def test_roofline_reports_forward_cost_and_generate_overhead(eng, tmp_path, caps
     # the named shape is the bundled architecture: same parameter bytes as the real base
     shaped = random_model("smollm2-135m", torch.device("cpu"), torch.float32)
     assert weight_bytes(shaped) == weight_bytes(eng.lm.base) and "qwen2.5-1.5b" in SHAPES
+
+
+def test_kernels_bench_times_each_projection_shape_and_width(tmp_path, capsys):
+    """bench kernels: every shape x width for int4 / dense bf16 / fp32, ratios against the first width."""
+    from bench.kernels import SHAPES
+
+    out = run_cli(["kernels", "--widths", "1,4", "--iters", "3", "--repeats", "1", "--stream-mb", "8",
+                   "--threads", "1", "--out", str(tmp_path)], capsys)
+    rep = json.loads((tmp_path / "kernels.json").read_text())
+    assert "int4 us" in out and rep["widths"] == [1, 4] and rep["cold_bf16_stream_gbps"] > 0
+    assert {(r["shape"], r["k"]) for r in rep["rows"]} == {(s, k) for s in SHAPES for k in (1, 4)}
+    for r in rep["rows"]:
+        base = next(b for b in rep["rows"] if b["shape"] == r["shape"] and b["k"] == 1)
+        for kind in ("int4", "bf16", "fp32"):
+            assert r[f"{kind}_us"] > 0
+            assert math.isclose(r[f"{kind}_x_k1"], r[f"{kind}_us"] / base[f"{kind}_us"])
