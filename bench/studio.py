@@ -74,7 +74,7 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--prompts", default=str(DEFAULT_PROMPTS), help="JSONL of {\"prompt\": ...} (the first --sessions)")
     p.add_argument("--threads", type=int, default=1, help="FASTDLLM_THREADS of the started studio")
     p.add_argument("--chromium", default=None, help="Chromium binary (default: $CHROMIUM, /usr/bin/chromium, PATH)")
-    p.add_argument("--timeout", type=float, default=600, help="seconds one answer may take")
+    p.add_argument("--timeout", type=float, default=300, help="seconds one answer may take")
     p.add_argument("--out", default="bench/results/studio_concurrency", help="directory for results.json")
     p.set_defaults(func=run)
 
@@ -160,7 +160,12 @@ class Session:
         await self.page.press("#fd-msg textarea", "Enter")
 
     async def result(self, prompt: str, session: int) -> dict[str, Any]:
-        await self.page.wait_for_function(LAST_DONE, timeout=self.timeout_ms, polling=50)
+        try:
+            await self.page.wait_for_function(LAST_DONE, timeout=self.timeout_ms, polling=50)
+        except Exception as e:  # say which session and what its page showed
+            chat = await self.page.locator("#fd-chat").inner_text()
+            raise RuntimeError(f"session {session}: no finished answer within {self.timeout_ms / 1000:.0f} s "
+                               f"(prompt {prompt[:40]!r}; chat shows {chat[-200:]!r})") from e
         r = await self.page.evaluate(READ_RUN)
         first = r["first"] if r["first"] is not None else r["done"]
         return {"session": session, "prompt": prompt, "text": r["text"], "tokens": _int(r["tokens"]),
