@@ -24,6 +24,7 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -153,8 +154,15 @@ class Session:
         return s
 
     async def type(self, prompt: str) -> None:
+        """Type the prompt and make sure it stays (a late update of the previous event can still empty the box)."""
         await self.page.wait_for_selector("#fd-send:not([disabled])", timeout=self.timeout_ms)
-        await self.page.fill("#fd-msg textarea", prompt)
+        box = self.page.locator("#fd-msg textarea")
+        for _ in range(50):
+            await box.fill(prompt)
+            await asyncio.sleep(0.3)
+            if await box.input_value() == prompt:
+                return
+        raise RuntimeError("the message box does not keep the typed prompt")
 
     async def send(self) -> None:
         await self.page.press("#fd-msg textarea", "Enter")
@@ -164,8 +172,9 @@ class Session:
             await self.page.wait_for_function(LAST_DONE, timeout=self.timeout_ms, polling=50)
         except Exception as e:  # say which session and what its page showed
             chat = await self.page.locator("#fd-chat").inner_text()
+            toasts = await self.page.locator(".toast-body").all_inner_texts()
             raise RuntimeError(f"session {session}: no finished answer within {self.timeout_ms / 1000:.0f} s "
-                               f"(prompt {prompt[:40]!r}; chat shows {chat[-200:]!r})") from e
+                               f"(prompt {prompt[:40]!r}; chat shows {chat[-200:]!r}; messages {toasts!r})") from e
         r = await self.page.evaluate(READ_RUN)
         first = r["first"] if r["first"] is not None else r["done"]
         return {"session": session, "prompt": prompt, "text": r["text"], "tokens": _int(r["tokens"]),
@@ -272,6 +281,29 @@ async def drive(url: str, names: list[str], prompts: list[str], chromium: str, a
             await browser.close()
 
 
+def run_async(make: Any) -> Any:
+    """asyncio.run(make()), on a thread of its own when this one already runs an event loop (a caller inside sync
+    Playwright, as the browser tests are)."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(make())
+    box: dict[str, Any] = {}
+
+    def work() -> None:
+        try:
+            box["result"] = asyncio.run(make())
+        except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
+            box["error"] = e
+
+    t = threading.Thread(target=work, name="bench-studio")
+    t.start()
+    t.join()
+    if "error" in box:
+        raise box["error"]
+    return box["result"]
+
+
 def run(args: argparse.Namespace) -> int:
     names = [s for s in args.settings.split(",") if s]
     bad = [s for s in names if s not in SETTINGS]
@@ -296,7 +328,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         info = studio_info(url)
         load_before, t0 = os.getloadavg(), time.time()
-        results = asyncio.run(drive(url, names, prompts, chromium, args))
+        results = run_async(lambda: drive(url, names, prompts, chromium, args))
         out = Path(args.out)
         write_json(out / "results.json", {
             "benchmark": "studio", "args": vars(args) | {"func": None}, "banner": info["banner"],
