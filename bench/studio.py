@@ -229,8 +229,8 @@ async def many_sessions_phase(sessions: list[Session], prompts: list[str], url: 
 
 def combine(runs: list[dict[str, Any]]) -> dict[str, Any]:
     reqs = [r for run in runs for r in run["requests_detail"]]
-    out = summarize(reqs, sum(r["wall_s"] for r in runs), runs[0]["sessions"],
-                    None if any(r["engine_forwards"] is None for r in runs) else sum(r["engine_forwards"] for r in runs))
+    fw = [r["engine_forwards"] for r in runs]
+    out = summarize(reqs, sum(r["wall_s"] for r in runs), runs[0]["sessions"], None if None in fw else sum(fw))
     out["per_repeat_tokens_per_second"] = [r["tokens_per_second"] for r in runs]
     return out
 
