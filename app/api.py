@@ -68,6 +68,7 @@ class Info(TypedDict):
     block_sizes: list[int]
     limits: Limits
     settings_help: dict[str, str]
+    engine_forwards: int | None  # forwards the in-process engine's scheduler has run (prefills included); None remote
 
 
 def error(e: Exception) -> gr.Error:
@@ -107,6 +108,15 @@ def streamed(fn: Callable) -> Callable:
     return _typed(call, fn)
 
 
+def _forwards(engine: Any) -> int | None:
+    """The shared scheduler's forward count (what batching visitors saves: compare with their NFE summed), or None
+    where decodes do not go through it (a remote engine, ZeroGPU)."""
+    from .stream import scheduler_for
+
+    sched = scheduler_for(engine)
+    return None if sched is None else sched.forwards
+
+
 def register(studio: Studio, defaults: dict[str, Any], slots: int = SLOTS) -> None:
     """Add the named endpoints to the Blocks being built. Every decoding setting is checked by the same rules as
     the UI's (app/settings.py: block sizes, max_new_tokens, repeats)."""
@@ -142,7 +152,7 @@ def register(studio: Studio, defaults: dict[str, Any], slots: int = SLOTS) -> No
         return {"banner": eng.lm.banner(), "can_diffuse": eng.can_diffuse, "defaults": defaults,
                 "block_sizes": list(BLOCK_SIZES),
                 "limits": {"block_sizes": list(BLOCK_SIZES), "max_new_tokens": MAX_NEW_TOKENS, "repeats": MAX_REPEATS},
-                "settings_help": INFO}
+                "settings_help": INFO, "engine_forwards": _forwards(eng)}
 
     engine = engine_slots(slots)
     gr.api(streamed(generate), api_name="generate", **engine)

@@ -2,7 +2,8 @@
 
 The engine calls its listener synchronously from the decoding thread; the UI is a Gradio generator.
 A queue joins them, and batching to at most ~30 frames per second keeps the browser smooth however
-fast the engine steps. Stop requests are threading.Events found by a key (the browser session), so the
+fast the engine steps; visitors streaming at once share those frames (n visitors: ~30/n each), so the process's
+UI work does not grow with them. Stop requests are threading.Events found by a key (the browser session), so the
 GPU function below takes only picklable arguments, as ZeroGPU on Hugging Face Spaces requires.
 
 An in-process Engine decodes through the continuous-batching scheduler (engine/scheduler.py), the one
@@ -25,6 +26,9 @@ FRAME_SECONDS = 1 / 30
 _engine: Engine | None = None
 _cancels: dict[str, threading.Event] = {}
 _cancels_lock = threading.Lock()
+
+_streams = 0  # decode_stream generators running now (visitors decoding at once): they share FRAME_SECONDS
+_streams_lock = threading.Lock()
 
 _schedulers: dict[Engine, Scheduler] = {}  # one per engine, for the process's life (its worker thread sleeps idle)
 _schedulers_lock = threading.Lock()
@@ -103,11 +107,16 @@ def decode_stream(ids: list[int], cfg: DecodeConfig, prompt_text: str | None, ke
     else:
         running, finish, outcome = _thread(lambda: engine.generate_ids([ids], cfg, listener=q.put, cancel=cancel,
                                                                        record=True, prompt_texts=texts)[0], q)
+    global _streams
     last, done = 0.0, False
+    with _streams_lock:
+        _streams += 1
     try:
         while not done:
             first = q.get()
-            wait = last + frame - time.perf_counter()
+            # n visitors streaming at once: each gets a frame every n * frame seconds, so the process renders and
+            # sends ~1/frame frames per second in all (its Python competes with the decoding thread for the GIL)
+            wait = last + frame * max(1, _streams) - time.perf_counter()
             if wait > 0 and first is not None:
                 time.sleep(wait)
             batch: list[Event] = []
@@ -125,6 +134,8 @@ def decode_stream(ids: list[int], cfg: DecodeConfig, prompt_text: str | None, ke
                 last = time.perf_counter()
                 yield batch, None
     finally:
+        with _streams_lock:
+            _streams -= 1
         if running():  # the consumer went away (tab closed, generator closed): stop the decode
             cancel.set()
         finish()  # returns once the row has left its batch: within one forward

@@ -175,9 +175,9 @@ def build(studio: Studio, slots: int = SLOTS) -> gr.Blocks:
                 with gr.Accordion("Decoding settings", open=False, elem_id="fd-settings"):
                     with gr.Row():
                         mode = gr.Radio(["diffusion", "ar"] if eng.can_diffuse else ["ar"], value=d["mode"],
-                                        label="mode", info=INFO["mode"])
+                                        label="mode", info=INFO["mode"], elem_id="fd-mode")
                         cache = gr.Radio(["none", "block", "dual"], value=d["cache"], label="cache",
-                                         info=INFO["cache"])
+                                         info=INFO["cache"], elem_id="fd-cache")
                     with gr.Row():
                         block = gr.Dropdown(list(BLOCK_SIZES), value=d["block_size"], label="block size",
                                             info=INFO["block_size"])
@@ -194,7 +194,7 @@ def build(studio: Studio, slots: int = SLOTS) -> gr.Blocks:
                         max_new = gr.Slider(8, MAX_NEW_TOKENS, value=d["max_new_tokens"], step=8,
                                             label="max new tokens", info=INFO["max_new_tokens"], elem_id="fd-max-new")
                         temperature = gr.Slider(0.0, 2.0, value=d["temperature"], step=0.05, label="temperature",
-                                                info=INFO["temperature"])
+                                                info=INFO["temperature"], elem_id="fd-temperature")
                     with gr.Row():
                         top_p = gr.Slider(0.05, 1.0, value=d["top_p"], step=0.01, label="top-p", info=INFO["top_p"])
                         seed = gr.Number(value=d["seed"], precision=0, minimum=-1, label="seed", info=INFO["seed"])

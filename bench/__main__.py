@@ -1,10 +1,10 @@
-"""python -m bench {throughput,quality,profile,forward,kernels,roofline,gpu,memory,serve}: the Fast-dLLM v2 benchmarks."""
+"""python -m bench {throughput,quality,profile,forward,kernels,roofline,gpu,memory,serve,studio}: the Fast-dLLM v2 benchmarks."""
 from __future__ import annotations
 
 import argparse
 import sys
 
-from . import forward, gpu, kernels, memory, profile, quality, roofline, serve, throughput
+from . import forward, gpu, kernels, memory, profile, quality, roofline, serve, studio, throughput
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -19,6 +19,7 @@ def main(argv: list[str] | None = None) -> int:
     gpu.add_parser(sub)
     memory.add_parser(sub)
     serve.add_parser(sub)
+    studio.add_parser(sub)
     args = parser.parse_args(argv)
     return args.func(args)
 

@@ -8,6 +8,7 @@ active block's K/V: a refresh forward at each new sub-block, then forwards of th
 """
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -21,6 +22,9 @@ from .model import CausalLM, KVCache, block_causal_mask, causal_mask
 from .sampling import sample, select_commits
 from .static import StaticStepper
 from .text import IncrementalDetokenizer, TokenBytes
+
+
+SHARED_PREFIX_MIN = 16  # AR prefill: a common prompt prefix this long gets its own one-row forward (see _prefill_ar)
 
 
 class Cancel(Protocol):
@@ -205,7 +209,7 @@ class Decoder:
             self._new_cache(len(rows), max_len)
         batch = Batch(rows, seq, cache)
         if self.cfg.mode == "ar":
-            self._prefill_ar(batch)
+            self._prefill_ar(batch, prompts)
         else:
             self._prefill_diffusion(batch)
         return self._retire(batch)
@@ -261,15 +265,31 @@ class Decoder:
         return r.listener is not None or self.listener is not None
 
     # ---------------------------------------------------------------- AR baseline
-    def _prefill_ar(self, batch: Batch) -> None:
+    def _shared_prefix(self, prompts: list[list[int]], cache: KVCache | None) -> int:
+        """Tokens every prompt of the batch starts with (a chat template's system turn), when worth one forward of
+        their own: at least SHARED_PREFIX_MIN, and at least one token of every prompt left to prefill per row."""
+        if len(prompts) < 2 or cache is None or self.stepper is not None:
+            return 0
+        n = min(len(os.path.commonprefix(prompts)), min(len(p) for p in prompts) - 1)
+        return n if n >= SHARED_PREFIX_MIN else 0
+
+    def _prefill_ar(self, batch: Batch, prompts: list[list[int]]) -> None:
         rows, seq = batch.rows, batch.seq
         plen = torch.tensor([r.prompt_len for r in rows], device=self.device)
         width = int(plen.max())
-        pos = torch.arange(width, device=self.device)[None].expand(len(rows), -1)
-        same = bool((plen == width).all())
+        shared = self._shared_prefix(prompts, batch.cache)
+        if shared:  # the common prefix once, its K/V copied to every row; then only the rows' own tokens
+            assert batch.cache is not None
+            one = KVCache(self.model.cfg, 1, shared, self.device, self._dtype())
+            pos1 = torch.arange(shared, device=self.device)[None]
+            self.model(seq[:1, :shared], pos1, one, start=0, kv_len=shared, causal=True, logits_idx=pos1[:, -1:])
+            batch.cache.k[:, :, :, :shared] = one.k
+            batch.cache.v[:, :, :, :shared] = one.v
+        pos = torch.arange(shared, width, device=self.device)[None].expand(len(rows), -1)
+        same = not shared and bool((plen == width).all())
         mask = None if same else causal_mask(pos, width, plen)
-        logits = self.model(seq[:, :width], pos, batch.cache, start=0, kv_len=width, mask=mask, causal=same,
-                            logits_idx=(plen - 1)[:, None])
+        logits = self.model(seq[:, shared:width], pos, batch.cache, start=shared, kv_len=width, mask=mask, causal=same,
+                            logits_idx=(plen - 1 - shared)[:, None])
         self._commit_ar(batch, logits, "prefill")
 
     def _step_ar(self, batch: Batch) -> None:

@@ -365,3 +365,29 @@ def test_phone_layout_shows_the_live_view_while_streaming(browser):
     finally:
         pg.close()
     assert not pg.errors, pg.errors
+
+
+def test_bench_studio_sessions_share_forwards_and_answers(tmp_path, capsys):
+    """`python -m bench studio` at toy size: its own studio process, 2 browser sessions, 8 AR tokens each; the
+    JSON has both phases' timings and the concurrent answers equal the one-session ones (fp32 weights, as the
+    suite pins them: AR batches are exact there)."""
+    import bench.__main__ as bench_main
+
+    out = tmp_path / "studio"
+    assert bench_main.main(["studio", "--sessions", "2", "--repeats", "1", "--max-tokens", "8", "--settings", "ar",
+                            "--out", str(out), "--chromium", CHROMIUM, "--timeout", "240"]) == 0
+    report = json.loads((out / "results.json").read_text())
+    assert report["benchmark"] == "studio" and report["args"]["sessions"] == 2
+    (row,) = report["results"]
+    assert row["setting"] == "ar" and row["same_answers"] and row["one_session_stable"], row["mismatched_prompts"]
+    assert not row["page_errors"]
+    one, many = row["one_session"], row["concurrent"]
+    assert one["sessions"] == 1 and many["sessions"] == 2 and one["requests"] == many["requests"] == 2
+    for r in one["requests_detail"] + many["requests_detail"]:
+        assert r["text"] and r["tokens"] == 8 and r["nfe"] == 8 and 0 < r["ttft"] <= r["latency"], r
+    assert many["answer_tokens"] == one["answer_tokens"] == 16 and many["tokens_per_second"] > 0
+    assert row["aggregate_speedup"] == round(many["tokens_per_second"] / one["tokens_per_second"], 3)
+    # the two rows shared forwards: fewer scheduler forwards than row-forwards (8 + 8 alone)
+    assert one["engine_forwards"] == 16 and many["engine_forwards"] < many["row_forwards"] == 16
+    assert {"ttft_p50_s", "ttft_p95_s", "latency_p50_s"} <= set(many)
+    assert "2 sessions tok/s" in capsys.readouterr().out

@@ -223,6 +223,28 @@ def test_batch_matches_single_rows(engine):
         assert all(x.summary.answer_tokens > 0 for x in batch)
 
 
+def test_ar_batch_prefills_the_shared_prompt_prefix_once(engine, monkeypatch):
+    """Chat prompts share the template's system turn: an AR batch prefills it in one 1-row forward, copies its K/V
+    to every row and prefills only the rows' own tokens; every row decodes exactly as it does alone."""
+    import os
+
+    from engine import decode
+
+    ids = [engine.encode(engine.chat_prompt([{"role": "user", "content": p}])) for p in PROMPTS]
+    shared = len(os.path.commonprefix(ids))
+    assert shared >= decode.SHARED_PREFIX_MIN
+    cfg = engine.decode_config(mode="ar", max_new_tokens=12)
+    single = [engine.generate_ids([i], cfg, record=False)[0].summary for i in ids]
+    widths: list[tuple[int, int]] = []
+    real = engine.lm.base.forward
+    monkeypatch.setattr(engine.lm.base, "forward", lambda ids_, *a, **k: widths.append(tuple(ids_.shape)) or
+                        real(ids_, *a, **k))
+    batch = [r.summary for r in engine.generate_ids(ids, cfg, record=False)]
+    assert widths[:2] == [(1, shared), (len(ids), max(map(len, ids)) - shared)], widths[:3]
+    assert [b.token_ids for b in batch] == [s.token_ids for s in single]
+    assert [b.text for b in batch] == [s.text for s in single]
+
+
 def test_per_row_top_p():
     """Each row samples from its own nucleus (the reference used row 0's for every row)."""
     logits = torch.full((2, 6), -20.0)
