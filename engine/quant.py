@@ -9,12 +9,16 @@ below the 4-bit step itself). The residual stream, norms, RoPE and attention sta
 Cost on this CPU (DESIGN.md section 9; `bench forward --variants weights=int4,weights=bf16 --widths ...`):
 the int4 kernel streams 1/8 of fp32's bytes, so a 1-token (AR) product is ~5x cheaper, but its cost grows with the
 rows k, while dense bf16 (AMX) stays flat from k = 1 to 32. So the default ("int4+bf16") keeps a dense bf16
-copy next to the int4 blocks and switches per call: int4 below `wide_rows` rows, dense bf16 from there.
+copy next to the int4 blocks and switches per call: int4 below `wide_rows` positions per sequence, dense bf16
+from there. The switch reads the positions of one sequence, not the rows of the whole batch, so a batch of
+AR rows (1 position each) runs the same kernels as each row alone: batched greedy answers equal single-user ones
+(a scheduler admitting users must not change anyone's tokens).
 
 The dLLM's LoRA adapter stays a separate low-rank path (x A^T) B^T on top of the shared base weights:
 base and dLLM share one copy of the 4-bit weights, and no merged weight is re-quantised.
 The tied embedding / LM head is Q8_0 in the file: lookups dequantise the int8 rows they read; the LM head
-runs as two int4 products (q = 16 hi + lo) for 1-3 rows and as dense bf16 (Q8_0 rounded to bf16) for more.
+runs as two int4 products (q = 16 hi + lo) for 1-3 positions per sequence and as dense bf16 (Q8_0 rounded to
+bf16) for more.
 
 FASTDLLM_WEIGHTS picks the projection weights of the bundled model on CPU: int4+bf16 (default), int4, bf16,
 fp32 (today's dequantised path). FASTDLLM_INT4_WIDE_ROWS sets the switch point of int4+bf16.
@@ -33,7 +37,8 @@ from .model import CausalLM
 
 MODES = ("int4+bf16", "int4", "bf16", "fp32")
 DEFAULT_MODE = "int4+bf16"
-HEAD_WIDE_ROWS = 4  # LM head: int4 planes below, dense bf16 from here (7.4 vs 14.8 ms at 1 row, 25.5 vs 20.7 at 8)
+HEAD_WIDE_ROWS = 4  # LM head: int4 planes below, dense bf16 from here (7.4 vs 14.8 ms at 1 row, 25.5 vs 20.7 at 8);
+# counted per sequence, so an 8-row AR batch pays the 25.5 ms to keep every row's logits equal to its own alone
 DEFAULT_WIDE_ROWS = 16  # int4 and dense bf16 cost about the same at k = 12..16 here (bench forward --widths); see README
 GROUP = 32  # Q4_1 / Q8_0 block size
 _Q4_1_BYTES = 20  # fp16 d, fp16 m, 16 bytes of nibbles
@@ -216,6 +221,11 @@ class LoRA(nn.Module):
         return y
 
 
+def _width(x: Tensor) -> int:
+    """Positions per sequence of an activation [B, T, features] (rows of a 2-D one): what picks the kernel."""
+    return x.shape[-2] if x.dim() > 2 else x.shape[0]
+
+
 class Int4Linear(nn.Module):
     """y = x W^T (+ LoRA) with W 4-bit; `splits` = widths of the fused outputs (q|k|v, gate|up)."""
 
@@ -230,7 +240,7 @@ class Int4Linear(nn.Module):
         w = self.weight
         x2 = x.reshape(-1, w.in_features)
         xb = x2.to(torch.bfloat16)
-        if self.wide_rows is not None and x2.shape[0] >= self.wide_rows:
+        if self.wide_rows is not None and _width(x) >= self.wide_rows:
             y = F.linear(xb, w.dense)
         else:
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(xb, w.packed, GROUP, w.scale_zero)
@@ -266,8 +276,8 @@ def q8_planes(q: Tensor, d: Tensor) -> tuple[Q4Blocks, Q4Blocks]:
 
 class LMHead(nn.Module):
     """Logits over the file's vocabulary plus the adapter's new rows (fp32), if any. The Q8_0 head runs as two
-    int4 products (exact but for bf16 scales) below `HEAD_WIDE_ROWS` rows: 2x faster than dense bf16 for
-    the AR step, whose bf16 matrix-vector product streams poorly; dense bf16 for wider calls."""
+    int4 products (exact but for bf16 scales) below `HEAD_WIDE_ROWS` positions per sequence: 2x faster than dense
+    bf16 for the AR step, whose bf16 matrix-vector product streams poorly; dense bf16 for wider calls."""
 
     def __init__(self, planes: tuple[Int4Weight, Int4Weight], weight: Tensor, extra_rows: Tensor | None):
         super().__init__()
@@ -278,7 +288,7 @@ class LMHead(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         x2 = x.reshape(-1, x.shape[-1])
         xb = x2.to(torch.bfloat16)
-        if x2.shape[0] < HEAD_WIDE_ROWS:
+        if _width(x) < HEAD_WIDE_ROWS:
             mm = torch.ops.aten._weight_int4pack_mm_for_cpu
             y = mm(xb, self.hi.packed, GROUP, self.hi.scale_zero).to(x.dtype)
             y += mm(xb, self.lo.packed, GROUP, self.lo.scale_zero)

@@ -43,6 +43,12 @@ def test_int4_linear_int4_and_dense_paths_and_lora(gguf):
         assert (got - ref).abs().max() / ref.abs().max() < 2e-2, rows  # bf16 activations and scales
     weight.dense = torch.zeros_like(weight.dense)  # the switch really happens at wide_rows
     assert lin(torch.randn(1, 3, 576)).abs().max() > 0.1
+    # it counts positions per sequence, not rows of the batch: 9 sequences of 1 position stay on the int4 kernel,
+    # which computes each row alike at any batch size (the AR base has no LoRA; fp32 GEMMs are not row-exact)
+    base = quant.Int4Linear(weight, [1536, 1536], wide_rows=4)
+    xs = torch.randn(9, 1, 576)
+    torch.testing.assert_close(base(xs), torch.cat([base(x[None]) for x in xs]), atol=0, rtol=0)
+    assert base(xs).abs().max() > 0.1
     x = torch.randn(1, 4, 576)
     ref = F.linear(x, delta)  # the LoRA path alone (fp32, each part into its own output slice)
     torch.testing.assert_close(lin(x), ref, atol=1e-4, rtol=1e-4)
@@ -104,3 +110,5 @@ def test_q8_lm_head_as_two_int4_planes(gguf):
         x = torch.randn(1, rows, 576)
         ref = F.linear(x, exact)
         assert (head(x) - ref).abs().max() / ref.abs().max() < 2e-2, rows
+    xs = torch.randn(8, 1, 576)  # 8 sequences of one position: the planes, as for each alone
+    torch.testing.assert_close(head(xs), torch.cat([head(x[None]) for x in xs]), atol=0, rtol=0)
