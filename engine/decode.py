@@ -283,8 +283,8 @@ class Decoder:
             one = KVCache(self.model.cfg, 1, shared, self.device, self._dtype())
             pos1 = torch.arange(shared, device=self.device)[None]
             self.model(seq[:1, :shared], pos1, one, start=0, kv_len=shared, causal=True, logits_idx=pos1[:, -1:])
-            batch.cache.k[:, :, :, :shared] = one.k
-            batch.cache.v[:, :, :, :shared] = one.v
+            batch.cache.k[:, :, :, :shared] = one.k[:, :, :, :shared]
+            batch.cache.v[:, :, :, :shared] = one.v[:, :, :, :shared]
         pos = torch.arange(shared, width, device=self.device)[None].expand(len(rows), -1)
         same = not shared and bool((plen == width).all())
         mask = None if same else causal_mask(pos, width, plen)

@@ -15,11 +15,19 @@ from .config import ModelConfig
 
 Attend = Callable[[Tensor, Tensor, Tensor], Tensor]  # (q, k, v) -> attention output, shapes as SDPA's
 
+# CPU attention over a cache reads keys in whole multiples of this, the rest masked. SDPA's CPU kernel sums a
+# length-n key axis in SIMD lanes plus a length-dependent tail, so the same row attending over n keys alone and
+# over a batch's longer padded length rounds differently (~1e-7), which bf16 activations (the 4-bit path) can
+# turn into a different greedy token; over whole multiples the masked keys add exact zeros in the same lanes, so
+# a row's numbers no longer depend on its batch (tests/test_engine.py). Allocations round up to it too.
+KEY_QUANTUM = 32
+
 
 class KVCache:
     """Preallocated K/V for every layer: [layers, batch, kv_heads, max_len, head_dim]."""
 
     def __init__(self, cfg: ModelConfig, batch: int, max_len: int, device: torch.device, dtype: torch.dtype):
+        max_len = -(-max_len // KEY_QUANTUM) * KEY_QUANTUM  # room for whole key quanta (see KEY_QUANTUM)
         shape = (cfg.num_hidden_layers, batch, cfg.num_key_value_heads, max_len, cfg.head_dim)
         self.k = torch.zeros(shape, device=device, dtype=dtype)
         self.v = torch.zeros(shape, device=device, dtype=dtype)
@@ -202,11 +210,24 @@ class CausalLM(nn.Module):
         cos, sin = self.rope(pos, x.dtype)
         if cache is not None and kv_len is None:
             kv_len = int(pos.max()) + 1
+        if cache is not None and x.device.type == "cpu" and (mask is None or isinstance(mask, Tensor)):
+            mask, kv_len, causal = _whole_key_quanta(pos, mask, causal, kv_len, cache.k.shape[3]), \
+                min(-(-kv_len // KEY_QUANTUM) * KEY_QUANTUM, cache.k.shape[3]), False
         for layer in self.model.layers:
             x = layer(x, cos, sin, pos, cache, start, kv_len, mask, causal)
         if logits_idx is not None:
             x = x.gather(1, logits_idx[..., None].expand(-1, -1, x.shape[-1]))
         return self.lm_head(self.model.norm(x))
+
+
+def _whole_key_quanta(q_pos: Tensor, mask: Tensor | None, causal: bool, kv_len: int, room: int) -> Tensor:
+    """The visibility of a cached forward as an explicit mask over kv_len rounded up to KEY_QUANTUM keys."""
+    n = min(-(-kv_len // KEY_QUANTUM) * KEY_QUANTUM, room)
+    if mask is not None:
+        return F.pad(mask, (0, n - mask.shape[-1]), value=False)
+    if causal:
+        return causal_mask(q_pos, n)
+    return (torch.arange(n, device=q_pos.device) < kv_len)[None, None, None, :]
 
 
 def block_causal_mask(q_pos: Tensor, k_len: int, block_size: int, valid_len: Tensor | None = None) -> Tensor:

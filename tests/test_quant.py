@@ -97,6 +97,13 @@ def test_default_engine_runs_the_gguf_4bit_weights_and_decodes_like_fp32(engine,
     cfg = q.decode_config(mode="ar", max_new_tokens=12, temperature=0.0)
     assert static.generate(PROMPTS[0], cfg, record=False)[0].summary.token_ids == \
         q.generate(PROMPTS[0], cfg, record=False)[0].summary.token_ids
+    # a batch's greedy AR answers are the single-user ones, as the scheduler admitting users needs: batched rows
+    # run the kernels each runs alone (the 4-bit switch counts positions per sequence) and attention reads whole
+    # key quanta (engine/model.py KEY_QUANTUM); without either, bf16 activations flip near-ties here
+    prompts = [*PROMPTS, "Name three primary colors.", "Write a haiku about the sea.", "What is 12 times 7?"]
+    cfg = q.decode_config(mode="ar", max_new_tokens=16, temperature=0.0)
+    batch = [r.summary.token_ids for r in q.generate(prompts, cfg, record=False)]
+    assert batch == [q.generate(p, cfg, record=False)[0].summary.token_ids for p in prompts]
 
 
 def test_q8_lm_head_as_two_int4_planes(gguf):
