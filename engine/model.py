@@ -19,7 +19,7 @@ Attend = Callable[[Tensor, Tensor, Tensor], Tensor]  # (q, k, v) -> attention ou
 # length-n key axis in SIMD lanes plus a length-dependent tail, so the same row attending over n keys alone and
 # over a batch's longer padded length rounds differently (~1e-7), which bf16 activations (the 4-bit path) can
 # turn into a different greedy token; over whole multiples the masked keys add exact zeros in the same lanes, so
-# a row's numbers no longer depend on its batch (tests/test_engine.py). Allocations round up to it too.
+# a row's numbers no longer depend on its batch (tests/test_engine.py, tests/test_quant.py). Caches round up to it.
 KEY_QUANTUM = 32
 
 

@@ -335,3 +335,24 @@ def test_block_causal_mask_rule():
     for q in range(10):
         for k in range(10):
             assert bool(m[q, k]) == (k // 4 <= q // 4)
+
+
+def test_cached_attention_reads_whole_key_quanta_so_a_row_ignores_its_batch(engine):
+    """A row attending over its own n keys == over a batch's longer key range with the extra keys masked, bit for
+    bit: attention over a cache reads whole KEY_QUANTUM multiples of keys (the rest masked), so the length a batch
+    pads to does not change a row's sums (with 1 instead of 32, SDPA's tail rounds differently and this fails)."""
+    from engine.model import KEY_QUANTUM, KVCache, causal_mask
+
+    m = engine.lm.base
+    ids = engine.encode("Tell me a long story about a dragon and a small town.")
+    n = len(ids)
+    assert n % KEY_QUANTUM
+    pos = torch.arange(n)[None]
+    out = {}
+    with torch.no_grad():
+        for keys in (n, n + 7, 2 * KEY_QUANTUM + 5):  # the row alone; padded as in a batch with longer rows
+            cache = KVCache(m.cfg, 1, 3 * KEY_QUANTUM, torch.device("cpu"), torch.float32)
+            assert cache.k.shape[3] % KEY_QUANTUM == 0
+            cache.k.normal_(), cache.v.normal_()  # stale keys past the row must not count
+            out[keys] = m(torch.tensor([ids]), pos, cache, start=0, kv_len=keys, mask=causal_mask(pos, keys))
+    assert torch.equal(out[n], out[n + 7]) and torch.equal(out[n], out[2 * KEY_QUANTUM + 5])
