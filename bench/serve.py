@@ -92,16 +92,35 @@ def percentile(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, max(0, round(q * (len(xs) - 1))))]
 
 
+def summarize(reqs: list[dict[str, Any]], wall: float) -> dict[str, Any]:
+    """One phase's requests (each with tokens, ttft, latency): throughput and latency percentiles."""
+    ttfts = [r["ttft"] for r in reqs]
+    tokens = sum(r["tokens"] for r in reqs)
+    return {"requests": len(reqs), "wall_s": round(wall, 3), "answer_tokens": tokens,
+            "tokens_per_second": round(tokens / wall, 3) if wall > 0 else 0.0,
+            "ttft_p50_s": round(percentile(ttfts, 0.5), 3), "ttft_p95_s": round(percentile(ttfts, 0.95), 3),
+            "latency_p50_s": round(percentile([r["latency"] for r in reqs], 0.5), 3), "requests_detail": reqs}
+
+
+def compare(alones: list[dict[str, Any]], togethers: list[dict[str, Any]], alone: dict[str, Any],
+            together: dict[str, Any]) -> dict[str, Any]:
+    """N clients against one (repeats interleaved): throughput ratios and whether every answer is the lone one."""
+    ref: dict[str, set[str]] = {}
+    for r in alone["requests_detail"]:
+        ref.setdefault(r["prompt"], set()).add(r["text"])
+    mismatched = sorted({r["prompt"] for r in together["requests_detail"] if {r["text"]} != ref[r["prompt"]]})
+    return {"aggregate_speedup": round(together["tokens_per_second"] / max(alone["tokens_per_second"], 1e-9), 3),
+            "per_repeat_speedup": [round(b["tokens_per_second"] / max(a["tokens_per_second"], 1e-9), 3)
+                                   for a, b in zip(alones, togethers)],
+            "alone_stable": all(len(v) == 1 for v in ref.values()),
+            "same_answers": not mismatched, "mismatched_prompts": mismatched}
+
+
 def combine(runs: list[dict[str, Any]]) -> dict[str, Any]:
     """Repeats of one phase as one: tokens / wall summed, percentiles over every request."""
     reqs = [r for run in runs for r in run["requests_detail"]]
-    wall, tokens = sum(r["wall_s"] for r in runs), sum(r["answer_tokens"] for r in runs)
-    ttfts = [r["ttft"] for r in reqs]
-    return {"clients": runs[0]["clients"], "requests": len(reqs), "wall_s": round(wall, 3), "answer_tokens": tokens,
-            "tokens_per_second": round(tokens / wall, 3), "per_repeat_tokens_per_second": [r["tokens_per_second"] for r in runs],
-            "ttft_p50_s": round(percentile(ttfts, 0.5), 3), "ttft_p95_s": round(percentile(ttfts, 0.95), 3),
-            "latency_p50_s": round(percentile([r["latency"] for r in reqs], 0.5), 3), "nfe": sum(r["nfe"] for r in reqs),
-            "requests_detail": reqs}
+    return {"clients": runs[0]["clients"], **summarize(reqs, sum(r["wall_s"] for r in runs)),
+            "per_repeat_tokens_per_second": [r["tokens_per_second"] for r in runs], "nfe": sum(r["nfe"] for r in reqs)}
 
 
 def phase(url: str, model: str, jobs: list[list[str]], knobs: dict, max_tokens: int) -> dict[str, Any]:
@@ -131,13 +150,7 @@ def phase(url: str, model: str, jobs: list[list[str]], knobs: dict, max_tokens: 
     if errors:
         raise errors[0]
     reqs = [r for rs in out for r in rs]
-    tokens = sum(r["tokens"] for r in reqs)
-    ttfts = [r["ttft"] for r in reqs]
-    return {"clients": len(jobs), "requests": len(reqs), "wall_s": round(wall, 3), "answer_tokens": tokens,
-            "tokens_per_second": round(tokens / wall, 3), "ttft_p50_s": round(percentile(ttfts, 0.5), 3),
-            "ttft_p95_s": round(percentile(ttfts, 0.95), 3),
-            "latency_p50_s": round(percentile([r["latency"] for r in reqs], 0.5), 3),
-            "nfe": sum(r["nfe"] for r in reqs), "requests_detail": reqs}
+    return {"clients": len(jobs), **summarize(reqs, wall), "nfe": sum(r["nfe"] for r in reqs)}
 
 
 def run(args: argparse.Namespace) -> int:
@@ -165,13 +178,8 @@ def run(args: argparse.Namespace) -> int:
                 alones.append(phase(url, info["id"], [prompts], knobs, args.max_tokens))
                 togethers.append(phase(url, info["id"], [[p] for p in prompts], knobs, args.max_tokens))
             alone, together = combine(alones), combine(togethers)
-            ref = {r["prompt"]: r["text"] for r in alone["requests_detail"]}
-            mismatched = [r["prompt"] for r in together["requests_detail"] if r["text"] != ref[r["prompt"]]]
             row = {"setting": name, "knobs": knobs, "one_client": alone, "concurrent": together,
-                   "aggregate_speedup": round(together["tokens_per_second"] / alone["tokens_per_second"], 3),
-                   "per_repeat_speedup": [round(b["tokens_per_second"] / a["tokens_per_second"], 3)
-                                          for a, b in zip(alones, togethers)],
-                   "same_answers": not mismatched, "mismatched_prompts": sorted(set(mismatched))}
+                   **compare(alones, togethers, alone, together)}
             results.append(row)
             print(f"{name}: 1 client {alone['tokens_per_second']:.2f} tok/s (TTFT p50 {alone['ttft_p50_s']:.2f} s), "
                   f"{args.clients} clients "

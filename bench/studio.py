@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
 import os
 import shutil
 import subprocess
@@ -30,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from .common import DEFAULT_PROMPTS, load_prompts, table, write_json
-from .serve import SETTINGS, _free_port, percentile
+from .serve import SETTINGS, _free_port, compare, summarize
 
 PAGE_SETUP = """() => {
   const B = window.__fdBench = {runs: []};
@@ -189,14 +190,9 @@ class Session:
                                           "!!document.querySelector('#fd-meters .fd-empty')", timeout=30_000)
 
 
-def summarize(reqs: list[dict[str, Any]], wall: float, sessions: int, forwards: int | None) -> dict[str, Any]:
-    tokens = sum(r["tokens"] for r in reqs)
-    ttfts = [r["ttft"] for r in reqs]
-    return {"sessions": sessions, "requests": len(reqs), "wall_s": round(wall, 3), "answer_tokens": tokens,
-            "tokens_per_second": round(tokens / wall, 3) if wall > 0 else 0.0,
-            "ttft_p50_s": round(percentile(ttfts, 0.5), 3), "ttft_p95_s": round(percentile(ttfts, 0.95), 3),
-            "latency_p50_s": round(percentile([r["latency"] for r in reqs], 0.5), 3),
-            "row_forwards": sum(r["nfe"] for r in reqs), "engine_forwards": forwards, "requests_detail": reqs}
+def session_summary(reqs: list[dict[str, Any]], wall: float, sessions: int, forwards: int | None) -> dict[str, Any]:
+    return {"sessions": sessions, **summarize(reqs, wall), "row_forwards": sum(r["nfe"] for r in reqs),
+            "engine_forwards": forwards}
 
 
 def _forwards(url: str) -> int | None:
@@ -213,7 +209,7 @@ async def one_session_phase(s: Session, prompts: list[str], url: str) -> dict[st
         reqs.append(await s.result(p, 0))
     f1 = await asyncio.to_thread(_forwards, url)
     wall = sum(r["latency"] for r in reqs)
-    return summarize(reqs, wall, 1, None if f0 is None or f1 is None else f1 - f0)
+    return session_summary(reqs, wall, 1, None if f0 is None or f1 is None else f1 - f0)
 
 
 async def many_sessions_phase(sessions: list[Session], prompts: list[str], url: str) -> dict[str, Any]:
@@ -224,13 +220,13 @@ async def many_sessions_phase(sessions: list[Session], prompts: list[str], url: 
     reqs = list(await asyncio.gather(*(s.result(p, i) for i, (s, p) in enumerate(zip(sessions, prompts)))))
     f1 = await asyncio.to_thread(_forwards, url)
     wall = (max(r["done_ms"] for r in reqs) - min(r["sent_ms"] for r in reqs)) / 1000
-    return summarize(reqs, wall, len(sessions), None if f0 is None or f1 is None else f1 - f0)
+    return session_summary(reqs, wall, len(sessions), None if f0 is None or f1 is None else f1 - f0)
 
 
 def combine(runs: list[dict[str, Any]]) -> dict[str, Any]:
     reqs = [r for run in runs for r in run["requests_detail"]]
     fw = [r["engine_forwards"] for r in runs]
-    out = summarize(reqs, sum(r["wall_s"] for r in runs), runs[0]["sessions"], None if None in fw else sum(fw))
+    out = session_summary(reqs, sum(r["wall_s"] for r in runs), runs[0]["sessions"], None if None in fw else sum(fw))
     out["per_repeat_tokens_per_second"] = [r["tokens_per_second"] for r in runs]
     return out
 
@@ -249,16 +245,8 @@ async def bench_setting(browser: Any, url: str, name: str, prompts: list[str], a
     finally:
         await asyncio.gather(*(s.page.context.close() for s in sessions))
     alone, together = combine(alones), combine(togethers)
-    ref: dict[str, set[str]] = {}
-    for r in alone["requests_detail"]:
-        ref.setdefault(r["prompt"], set()).add(r["text"])
-    mismatched = sorted({r["prompt"] for r in together["requests_detail"] if {r["text"]} != ref[r["prompt"]]})
     return {"setting": name, "knobs": knobs, "one_session": alone, "concurrent": together,
-            "aggregate_speedup": round(together["tokens_per_second"] / max(alone["tokens_per_second"], 1e-9), 3),
-            "per_repeat_speedup": [round(b["tokens_per_second"] / max(a["tokens_per_second"], 1e-9), 3)
-                                   for a, b in zip(alones, togethers)],
-            "one_session_stable": all(len(v) == 1 for v in ref.values()),
-            "same_answers": not mismatched, "mismatched_prompts": mismatched, "page_errors": errors}
+            **compare(alones, togethers, alone, together), "page_errors": errors}
 
 
 async def drive(url: str, names: list[str], prompts: list[str], chromium: str, args: argparse.Namespace) -> list[dict]:
@@ -311,11 +299,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: settings must be of {', '.join(SETTINGS)}; sessions >= 2; repeats >= 1; max-tokens a multiple "
               "of 8 (the studio's slider step)", file=sys.stderr)
         return 2
-    chromium = find_chromium(args.chromium)
-    try:
-        import playwright  # noqa: F401
-    except ImportError:
-        chromium = None
+    chromium = find_chromium(args.chromium) if importlib.util.find_spec("playwright") else None
     if chromium is None:
         print("error: needs playwright (pip install playwright) and a Chromium binary (apt-get install chromium, or "
               "--chromium PATH)", file=sys.stderr)

@@ -23,11 +23,16 @@ Attend = Callable[[Tensor, Tensor, Tensor], Tensor]  # (q, k, v) -> attention ou
 KEY_QUANTUM = 32
 
 
+def whole_key_quanta(n: int) -> int:
+    """n rounded up to a multiple of KEY_QUANTUM."""
+    return -(-n // KEY_QUANTUM) * KEY_QUANTUM
+
+
 class KVCache:
     """Preallocated K/V for every layer: [layers, batch, kv_heads, max_len, head_dim]."""
 
     def __init__(self, cfg: ModelConfig, batch: int, max_len: int, device: torch.device, dtype: torch.dtype):
-        max_len = -(-max_len // KEY_QUANTUM) * KEY_QUANTUM  # room for whole key quanta (see KEY_QUANTUM)
+        max_len = whole_key_quanta(max_len)  # room for whole key quanta (see KEY_QUANTUM)
         shape = (cfg.num_hidden_layers, batch, cfg.num_key_value_heads, max_len, cfg.head_dim)
         self.k = torch.zeros(shape, device=device, dtype=dtype)
         self.v = torch.zeros(shape, device=device, dtype=dtype)
@@ -211,8 +216,8 @@ class CausalLM(nn.Module):
         if cache is not None and kv_len is None:
             kv_len = int(pos.max()) + 1
         if cache is not None and x.device.type == "cpu" and (mask is None or isinstance(mask, Tensor)):
-            mask, kv_len, causal = _whole_key_quanta(pos, mask, causal, kv_len, cache.k.shape[3]), \
-                min(-(-kv_len // KEY_QUANTUM) * KEY_QUANTUM, cache.k.shape[3]), False
+            mask, kv_len = _quantum_mask(pos, mask, causal, kv_len, cache.k.shape[3])
+            causal = False
         for layer in self.model.layers:
             x = layer(x, cos, sin, pos, cache, start, kv_len, mask, causal)
         if logits_idx is not None:
@@ -220,14 +225,14 @@ class CausalLM(nn.Module):
         return self.lm_head(self.model.norm(x))
 
 
-def _whole_key_quanta(q_pos: Tensor, mask: Tensor | None, causal: bool, kv_len: int, room: int) -> Tensor:
-    """The visibility of a cached forward as an explicit mask over kv_len rounded up to KEY_QUANTUM keys."""
-    n = min(-(-kv_len // KEY_QUANTUM) * KEY_QUANTUM, room)
+def _quantum_mask(q_pos: Tensor, mask: Tensor | None, causal: bool, kv_len: int, room: int) -> tuple[Tensor, int]:
+    """A cached forward's visibility as an explicit mask over n = kv_len rounded up to whole key quanta; and n."""
+    n = min(whole_key_quanta(kv_len), room)
     if mask is not None:
-        return F.pad(mask, (0, n - mask.shape[-1]), value=False)
+        return F.pad(mask, (0, n - mask.shape[-1]), value=False), n
     if causal:
-        return causal_mask(q_pos, n)
-    return (torch.arange(n, device=q_pos.device) < kv_len)[None, None, None, :]
+        return causal_mask(q_pos, n), n
+    return (torch.arange(n, device=q_pos.device) < kv_len)[None, None, None, :], n
 
 
 def block_causal_mask(q_pos: Tensor, k_len: int, block_size: int, valid_len: Tensor | None = None) -> Tensor:

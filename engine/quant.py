@@ -203,11 +203,11 @@ class LoRA(nn.Module):
         kept = [(i, p) for i, p in enumerate(parts) if p is not None]
         self.register_buffer("a_t", torch.cat([p[0].float() for _, p in kept], 0).t().contiguous())
         starts = [sum(outs[:i]) for i in range(len(outs))]
-        self.slices: list[tuple[int, int, int, int]] = []  # (rank start, rank end, out start, out end)
+        self.slices: list[tuple[str, int, int, int, int]] = []  # (B buffer, rank start, rank end, out start, out end)
         r0 = 0
         for j, (i, (a, b)) in enumerate(kept):
             self.register_buffer(f"b_t{j}", (b.float() * scale).t().contiguous())
-            self.slices.append((r0, r0 + a.shape[0], starts[i], starts[i] + outs[i]))
+            self.slices.append((f"b_t{j}", r0, r0 + a.shape[0], starts[i], starts[i] + outs[i]))
             r0 += a.shape[0]
         self.whole = len(kept) == 1 and len(outs) == 1
 
@@ -216,8 +216,8 @@ class LoRA(nn.Module):
         h = x.to(self.a_t.dtype) @ self.a_t
         if self.whole:
             return y.addmm_(h, self.b_t0)
-        for j, (r0, r1, o0, o1) in enumerate(self.slices):
-            y[:, o0:o1].addmm_(h[:, r0:r1], getattr(self, f"b_t{j}"))
+        for b, r0, r1, o0, o1 in self.slices:
+            y[:, o0:o1].addmm_(h[:, r0:r1], self._buffers[b])
         return y
 
 

@@ -379,7 +379,7 @@ def test_bench_studio_sessions_share_forwards_and_answers(tmp_path, capsys):
     report = json.loads((out / "results.json").read_text())
     assert report["benchmark"] == "studio" and report["args"]["sessions"] == 2
     (row,) = report["results"]
-    assert row["setting"] == "ar" and row["same_answers"] and row["one_session_stable"], row["mismatched_prompts"]
+    assert row["setting"] == "ar" and row["same_answers"] and row["alone_stable"], row["mismatched_prompts"]
     assert not row["page_errors"]
     one, many = row["one_session"], row["concurrent"]
     assert one["sessions"] == 1 and many["sessions"] == 2 and one["requests"] == many["requests"] == 2
