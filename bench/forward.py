@@ -42,12 +42,14 @@ def make_variant(model: torch.nn.Module, spec: str) -> torch.nn.Module:
 
 
 def quantized(model: torch.nn.Module, spec: str) -> torch.nn.Module:
-    """A copy of the bundled dLLM with FASTDLLM_WEIGHTS=mode[@wide_rows] weights (LoRA as its own path)."""
+    """A copy of the bundled dLLM with FASTDLLM_WEIGHTS=mode[@wide_rows][/act] weights (LoRA as its own path;
+    act = FASTDLLM_ACTIVATIONS of our 4-bit kernels, fp32 or int8)."""
     from engine import quant
     from engine.loading import BUNDLED_ADAPTER, _adapter_tensors, _gguf_path, bundled_base_dir
 
+    spec, _, act = spec.partition("/")
     mode, _, wide = spec.partition("@")
-    policy = quant.WeightPolicy(mode, int(wide) if wide else quant.DEFAULT_WIDE_ROWS)
+    policy = quant.WeightPolicy(mode, int(wide) if wide else quant.DEFAULT_WIDE_ROWS, act or quant.DEFAULT_ACT)
     tensors, scale = _adapter_tensors(BUNDLED_ADAPTER)
     pair = quant.QuantizedPair(quant.cached_gguf(_gguf_path(), model.cfg.num_attention_heads, model.cfg.num_key_value_heads,
                                                  bundled_base_dir() / "q4_1_blocks.safetensors"), policy)
@@ -85,7 +87,8 @@ def add_parser(sub) -> None:
     p.add_argument("--model", default=None)
     p.add_argument("--variants", default="fp32,bf16",
                    help="comma list of fp32, bf16, fp16, each optionally +packed (CPU decode layout) and/or +compile; "
-                        "or weights=MODE[@ROWS] (the bundled GGUF's weights, FASTDLLM_WEIGHTS modes of engine/quant.py)")
+                        "or weights=MODE[@ROWS][/ACT] (the bundled GGUF's weights, FASTDLLM_WEIGHTS modes of engine/quant.py; "
+                        "ACT: fp32 or int8 activations of our 4-bit kernels)")
     p.add_argument("--widths", default=None,
                    help="comma list of forced widths k (k tokens against the cached prefix, LM head on all k) "
                         "instead of the decode shapes")

@@ -199,6 +199,7 @@ class CausalLM(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.packed = False  # True after engine.packing.pack_for_decode (inference only)
+        self.steps: list | None = None  # engine/quant.py LayerStep per layer: narrow cached forwards in one call each
 
     def forward(self, ids: Tensor, pos: Tensor, cache: KVCache | None = None, *, start: int | None = None,
                 kv_len: int | None = None, mask: Tensor | Attend | None = None, causal: bool = False,
@@ -218,8 +219,17 @@ class CausalLM(nn.Module):
         if cache is not None and x.device.type == "cpu" and (mask is None or isinstance(mask, Tensor)):
             mask, kv_len = _quantum_mask(pos, mask, causal, kv_len, cache.k.shape[3])
             causal = False
-        for layer in self.model.layers:
-            x = layer(x, cos, sin, pos, cache, start, kv_len, mask, causal)
+        if self.steps is not None and isinstance(mask, Tensor) and not torch.is_grad_enabled() \
+                and (self.steps[0].wide_rows is None or x.shape[1] < self.steps[0].wide_rows):
+            b, t = ids.shape
+            d = cos.shape[-1]
+            shared = (cos.expand(b, 1, t, d).reshape(b * t, d).contiguous(), sin.expand(b, 1, t, d).reshape(b * t, d).contiguous(),
+                      pos.expand(b, t).contiguous(), mask.expand(b, 1, t, mask.shape[-1]).reshape(b, t, -1).contiguous())
+            for i, step in enumerate(self.steps):
+                x = step(x, cache.k[i], cache.v[i], shared)
+        else:
+            for layer in self.model.layers:
+                x = layer(x, cos, sin, pos, cache, start, kv_len, mask, causal)
         if logits_idx is not None:
             x = x.gather(1, logits_idx[..., None].expand(-1, -1, x.shape[-1]))
         return self.lm_head(self.model.norm(x))

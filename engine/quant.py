@@ -28,11 +28,13 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from . import cpu_kernels
 from .model import CausalLM
 
 MODES = ("int4+bf16", "int4", "bf16", "fp32")
@@ -40,6 +42,8 @@ DEFAULT_MODE = "int4+bf16"
 HEAD_WIDE_ROWS = 4  # LM head: int4 planes below, dense bf16 from here (7.4 vs 14.8 ms at 1 row, 25.5 vs 20.7 at 8);
 # counted per sequence, so an 8-row AR batch pays the 25.5 ms to keep every row's logits equal to its own alone
 DEFAULT_WIDE_ROWS = 16  # int4 and dense bf16 cost about the same at k = 12..16 here (bench forward --widths); see README
+ACTS = ("fp32", "int8")
+DEFAULT_ACT = "fp32"  # activations of our kernels' narrow calls (README: speed and greedy agreement of both)
 GROUP = 32  # Q4_1 / Q8_0 block size
 _Q4_1_BYTES = 20  # fp16 d, fp16 m, 16 bytes of nibbles
 _Q8_0_BYTES = 34  # fp16 d, 32 int8
@@ -47,16 +51,20 @@ _Q8_0_BYTES = 34  # fp16 d, 32 int8
 
 @dataclass(frozen=True, slots=True)
 class WeightPolicy:
-    """Which weights the projections run with: `mode` in MODES; `wide_rows`: int4+bf16's switch point."""
+    """Which weights the projections run with: `mode` in MODES; `wide_rows`: int4+bf16's switch point; `act`: the
+    activations our 4-bit kernels take below it (fp32, or int8 per 32-group like llama.cpp)."""
 
     mode: str = DEFAULT_MODE
     wide_rows: int = DEFAULT_WIDE_ROWS
+    act: str = DEFAULT_ACT
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ValueError(f"FASTDLLM_WEIGHTS: {self.mode!r} is not one of {', '.join(MODES)}")
         if self.wide_rows < 2:
             raise ValueError(f"FASTDLLM_INT4_WIDE_ROWS: {self.wide_rows} must be >= 2")
+        if self.act not in ACTS:
+            raise ValueError(f"FASTDLLM_ACTIVATIONS: {self.act!r} is not one of {', '.join(ACTS)}")
 
     @classmethod
     def from_env(cls) -> "WeightPolicy":
@@ -66,7 +74,7 @@ class WeightPolicy:
             wide = int(raw) if raw else DEFAULT_WIDE_ROWS
         except ValueError:
             raise ValueError(f"FASTDLLM_INT4_WIDE_ROWS: {raw!r} is not an integer >= 2") from None
-        return cls(mode, wide)
+        return cls(mode, wide, os.environ.get("FASTDLLM_ACTIVATIONS", "").strip() or DEFAULT_ACT)
 
 
 # ---- reading the GGUF ---------------------------------------------------------------------------------
@@ -176,20 +184,67 @@ def cached_gguf(path: Path, n_head: int, n_kv_head: int, cache: Path) -> GGUFWei
 
 # ---- run-time modules -----------------------------------------------------------------------------------
 
+TILE = 4  # our kernels' output tile: its rows are interleaved into one weight stream (engine/csrc/q4.cpp)
+
+
+def tiled(t: Tensor, chunks: int) -> Tensor:
+    """t [N, ...] with each row cut into `chunks` equal chunks -> same shape, contents reordered to
+    [N/TILE, chunks, TILE, chunk]: a tile's rows side by side, chunk by chunk."""
+    n = t.shape[0]
+    return t.reshape(n // TILE, TILE, chunks, -1).transpose(1, 2).reshape(t.shape).contiguous()
+
+
+def pack_pairs(q: Tensor) -> Tensor:
+    """q [N, K] in 0..15 -> uint8 [N, K/2]: per pair of 32-groups (g, g + 1), byte b holds q_g[b] in its low nibble
+    and q_{g+1}[b] in its high one; then tiled (engine/csrc/q4.cpp's layout)."""
+    n, k = q.shape
+    g = q.view(n, k // (2 * GROUP), 2, GROUP).to(torch.uint8)
+    return tiled((g[:, :, 0] | (g[:, :, 1] << 4)).reshape(n, k // 2), k // (2 * GROUP))
+
+
+def _ours(n: int, k: int) -> ModuleType | None:
+    """Our kernels when they are built and fit the shape (K a multiple of 64, N of 4), else None."""
+    kernels = cpu_kernels.load()
+    return kernels if kernels is not None and k % (2 * GROUP) == 0 and k <= 2048 and n % 4 == 0 else None
+
+
 class Int4Weight(nn.Module):
-    """One (fused) projection's base weight: int4-packed blocks, and a dense bf16 copy for wide calls."""
+    """One (fused) projection's base weight, 4-bit, and a dense bf16 copy for wide calls (int4+bf16).
+
+    With our kernels (engine/cpu_kernels.py): the file's q, d, m as they are (`qs` nibble pairs, `dm` fp16, `mt` =
+    m as fp32 [groups, out] for the int8-activation path). Otherwise torch's int4 pack, whose kernel wants bf16
+    scales and zeros (d and m + 8d rounded to bf16)."""
 
     def __init__(self, blocks: Q4Blocks, dense_bf16: bool):
         super().__init__()
         self.out_features, self.in_features = blocks.q.shape
-        self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(blocks.q.int(), 1))
-        zero = blocks.m + 8 * blocks.d
-        self.register_buffer("scale_zero", torch.stack([blocks.d, zero], -1).transpose(0, 1).contiguous().bfloat16())
-        # Dense copy from the same bf16 scales/zeros, so both paths compute with the same weights.
-        dense = blocks.q.view(self.out_features, -1, GROUP).float() - 8
-        sz = self.scale_zero.float().transpose(0, 1)  # [out, groups, 2]
-        dense = (dense * sz[..., 0:1] + sz[..., 1:2]).view(self.out_features, self.in_features)
-        self.register_buffer("dense", dense.bfloat16() if dense_bf16 else None)
+        self.kernels = _ours(self.out_features, self.in_features)
+        if self.kernels is not None:
+            self.register_buffer("qs", pack_pairs(blocks.q))
+            self.register_buffer("dm", tiled(torch.stack([blocks.d, blocks.m], -1).half(), self.in_features // GROUP))
+            self.register_buffer("mt", blocks.m.t().contiguous().float())
+            dense = blocks.dequantize() if dense_bf16 else None
+        else:
+            self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(blocks.q.int(), 1))
+            zero = blocks.m + 8 * blocks.d
+            sz = torch.stack([blocks.d, zero], -1).transpose(0, 1).contiguous().bfloat16()
+            self.register_buffer("scale_zero", sz)
+            dense = None
+            if dense_bf16:  # from the same bf16 scales/zeros, so both paths compute with the same weights
+                q = blocks.q.view(self.out_features, -1, GROUP).float() - 8
+                sz = sz.float().transpose(0, 1)  # [out, groups, 2]
+                dense = (q * sz[..., 0:1] + sz[..., 1:2]).view(self.out_features, self.in_features)
+        self.register_buffer("dense", None if dense is None else dense.bfloat16())
+
+    def narrow(self, x: Tensor, act: str) -> Tensor:
+        """x [rows, in] -> [rows, out] fp32 through the 4-bit weights; `act` = activations of our kernels."""
+        if self.kernels is None:
+            return torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), self.packed, GROUP,
+                                                              self.scale_zero).float()
+        x = x.float().contiguous()
+        if act == "int8":
+            return self.kernels.q4_i8(x, self.qs, self.dm, self.mt)
+        return self.kernels.q4_f32(x, self.qs, self.dm)
 
 
 class LoRA(nn.Module):
@@ -229,22 +284,22 @@ def _width(x: Tensor) -> int:
 class Int4Linear(nn.Module):
     """y = x W^T (+ LoRA) with W 4-bit; `splits` = widths of the fused outputs (q|k|v, gate|up)."""
 
-    def __init__(self, weight: Int4Weight, splits: list[int], wide_rows: int | None, lora: LoRA | None = None):
+    def __init__(self, weight: Int4Weight, splits: list[int], wide_rows: int | None, lora: LoRA | None = None,
+                 act: str = DEFAULT_ACT):
         super().__init__()
         self.weight = weight  # shared between the AR base and the dLLM
         self.splits = splits
-        self.wide_rows = wide_rows  # None: int4 at every width
+        self.wide_rows = wide_rows  # None: 4-bit at every width
         self.lora = lora
+        self.act = act
 
     def forward(self, x: Tensor) -> Tensor:
         w = self.weight
         x2 = x.reshape(-1, w.in_features)
-        xb = x2.to(torch.bfloat16)
         if self.wide_rows is not None and _width(x) >= self.wide_rows:
-            y = F.linear(xb, w.dense)
+            y = F.linear(x2.to(torch.bfloat16), w.dense).to(x.dtype)
         else:
-            y = torch.ops.aten._weight_int4pack_mm_for_cpu(xb, w.packed, GROUP, w.scale_zero)
-        y = y.to(x.dtype)
+            y = w.narrow(x2, self.act).to(x.dtype)
         if self.lora is not None:
             y = self.lora.add_to(y, x2)
         return y.view(*x.shape[:-1], w.out_features)
@@ -274,26 +329,52 @@ def q8_planes(q: Tensor, d: Tensor) -> tuple[Q4Blocks, Q4Blocks]:
     return Q4Blocks(hi + 8, 16 * d, -128 * d), Q4Blocks(lo, d, torch.zeros_like(d))
 
 
-class LMHead(nn.Module):
-    """Logits over the file's vocabulary plus the adapter's new rows (fp32), if any. The Q8_0 head runs as two
-    int4 products (exact but for bf16 scales) below `HEAD_WIDE_ROWS` positions per sequence: 2x faster than dense
-    bf16 for the AR step, whose bf16 matrix-vector product streams poorly; dense bf16 for wider calls."""
+class Q8Head(nn.Module):
+    """The tied Q8_0 LM head's weights, shared by the base and the dLLM.
 
-    def __init__(self, planes: tuple[Int4Weight, Int4Weight], weight: Tensor, extra_rows: Tensor | None):
+    With our kernels: as stored (q + 128 as uint8, fp16 d), at every width (fp32 or int8 activations). Otherwise
+    two int4 products (q = 16 hi + lo; exact but for bf16 scales) below `HEAD_WIDE_ROWS` positions per sequence,
+    2x faster than dense bf16 for the AR step, and dense bf16 for wider calls."""
+
+    def __init__(self, q: Tensor, d: Tensor):
         super().__init__()
-        self.hi, self.lo = planes
-        self.register_buffer("weight", weight)
+        self.kernels = _ours(*q.shape)
+        self.planes: tuple[Int4Weight, Int4Weight] | None = None
+        if self.kernels is not None:
+            self.register_buffer("u", tiled((q.int() + 128).to(torch.uint8), q.shape[1] // (2 * GROUP)))
+            self.register_buffer("d", tiled(d.half(), d.shape[1]))
+            self.register_buffer("mt", (-128 * d.half().float()).t().contiguous())
+            self.register_buffer("weight", None)
+        else:
+            hi, lo = q8_planes(q, d)
+            self.planes = (Int4Weight(hi, dense_bf16=False), Int4Weight(lo, dense_bf16=False))
+            for name, plane in zip(("hi", "lo"), self.planes):
+                self.add_module(name, plane)
+            self.register_buffer("weight", (q.float().view(q.shape[0], -1, GROUP) * d[..., None]).flatten(1).bfloat16())
+
+    def forward(self, x2: Tensor, width: int, act: str) -> Tensor:
+        """x2 [rows, hidden] -> fp32 logits; `width` = positions per sequence."""
+        if self.kernels is not None:
+            x = x2.float().contiguous()
+            return self.kernels.q8_i8(x, self.u, self.d, self.mt) if act == "int8" else self.kernels.q8_f32(x, self.u, self.d)
+        if width < HEAD_WIDE_ROWS:
+            hi, lo = self.planes
+            return hi.narrow(x2, "fp32") + lo.narrow(x2, "fp32")
+        return F.linear(x2.to(torch.bfloat16), self.weight).float()
+
+
+class LMHead(nn.Module):
+    """Logits over the file's vocabulary (a shared Q8Head) plus the adapter's new rows (fp32), if any."""
+
+    def __init__(self, core: Q8Head, extra_rows: Tensor | None, act: str = DEFAULT_ACT):
+        super().__init__()
+        self.core = core
+        self.act = act
         self.register_buffer("extra", extra_rows)
 
     def forward(self, x: Tensor) -> Tensor:
         x2 = x.reshape(-1, x.shape[-1])
-        xb = x2.to(torch.bfloat16)
-        if _width(x) < HEAD_WIDE_ROWS:
-            mm = torch.ops.aten._weight_int4pack_mm_for_cpu
-            y = mm(xb, self.hi.packed, GROUP, self.hi.scale_zero).to(x.dtype)
-            y += mm(xb, self.lo.packed, GROUP, self.lo.scale_zero)
-        else:
-            y = F.linear(xb, self.weight).to(x.dtype)
+        y = self.core(x2, _width(x), self.act).to(x.dtype)
         if self.extra is not None:
             y = torch.cat([y, F.linear(x2.to(self.extra.dtype), self.extra).to(y.dtype)], -1)
         return y.view(*x.shape[:-1], y.shape[-1])
@@ -320,6 +401,41 @@ class Q8Embedding(nn.Module):
         return x
 
 
+class LayerStep:
+    """One decoder layer's narrow forward as a single call of our kernels (engine/csrc/layer.cpp), for layers whose
+    four projections are Int4Linear on our kernels. Holds the layer's tensors, gathered once: the model is
+    inference-only once its weights are quantised."""
+
+    def __init__(self, layer: nn.Module, kernels: ModuleType, act: str):
+        attn, mlp = layer.self_attn, layer.mlp
+        projs = [attn.qkv, attn.o_proj, mlp.gate_up, mlp.down_proj]
+        self.kernels, self.int8 = kernels, act == "int8"
+        self.wide_rows = projs[0].wide_rows
+        self.heads, self.kv_heads = attn.h, attn.hkv
+        self.norm1, self.norm2 = layer.input_layernorm.weight, layer.post_attention_layernorm.weight
+        self.eps = layer.input_layernorm.eps
+        self.weights = [t for p in projs for t in (p.weight.qs, p.weight.dm, p.weight.mt)]
+        self.lora_a = [p.lora.a_t if p.lora is not None else None for p in projs]
+        self.lora_b = [[p.lora._buffers[b] for b, *_ in p.lora.slices] if p.lora is not None else [] for p in projs]
+        self.slices = [[v for _, *r in p.lora.slices for v in r] if p.lora is not None else [] for p in projs]
+
+    @staticmethod
+    def fits(layer: nn.Module) -> bool:
+        projs = [layer.self_attn.qkv, layer.mlp.gate_up, layer.self_attn.o_proj, layer.mlp.down_proj]
+        return all(isinstance(p, Int4Linear) and p.weight.kernels is not None for p in projs)
+
+    def __call__(self, x: Tensor, cache_k: Tensor, cache_v: Tensor, shared: tuple[Tensor, Tensor, Tensor, Tensor]) -> Tensor:
+        cos, sin, pos, mask = shared
+        return self.kernels.layer_step(x, self.norm1, self.norm2, self.eps, self.weights, self.lora_a, self.lora_b,
+                                       self.slices, self.int8, self.heads, self.kv_heads, cos, sin, cache_k, cache_v,
+                                       pos, mask)
+
+
+def fused_wanted() -> bool:
+    """FASTDLLM_FUSED=0 turns the one-call layer step off (bench profile's per-module split needs the eager layer)."""
+    return os.environ.get("FASTDLLM_FUSED", "").strip() != "0"
+
+
 # ---- assembling a model ---------------------------------------------------------------------------------
 
 FUSED = {"qkv": ("self_attn", ("q_proj", "k_proj", "v_proj")), "o_proj": ("self_attn", ("o_proj",)),
@@ -343,9 +459,7 @@ class QuantizedPair:
     def __init__(self, weights: GGUFWeights, policy: WeightPolicy):
         self.w, self.policy = weights, policy
         self._shared: dict[tuple[int, str], nn.Module] = {}
-        head = (weights.embed_q.float().view(weights.embed_q.shape[0], -1, GROUP) * weights.embed_d[..., None])
-        self.head_bf16 = head.flatten(1).bfloat16()
-        self.head_planes = tuple(Int4Weight(p, dense_bf16=False) for p in q8_planes(weights.embed_q, weights.embed_d))
+        self.head = Q8Head(weights.embed_q, weights.embed_d)  # shared by the base and the dLLM
 
     def _weight(self, layer: int, key: str) -> nn.Module:
         sub, names = FUSED[key]
@@ -371,14 +485,17 @@ class QuantizedPair:
                     delta = LoRA([lora.get(f) for f in full], splits, lora_scale)
                 base = self._weight(i, key)
                 mod: nn.Module = DenseBF16Linear(base.weight, splits, delta) if isinstance(base, DenseBF16Linear) \
-                    else Int4Linear(base, splits, wide, delta)  # either way the base tensors are shared
+                    else Int4Linear(base, splits, wide, delta, self.policy.act)  # either way the base tensors are shared
                 setattr(owner, key, mod)
                 for n in names:
                     if n != key:
                         setattr(owner, n, None)
+        steps = [LayerStep(layer, self.head.kernels, self.policy.act) for layer in model.model.layers
+                 if LayerStep.fits(layer)] if self.head.kernels is not None and fused_wanted() else []
+        model.steps = steps if len(steps) == len(model.model.layers) else None
         dtype = model.model.norm.weight.dtype
         model.model.embed_tokens = Q8Embedding(self.w.embed_q, self.w.embed_d, extra_rows, dtype)
-        model.lm_head = LMHead(self.head_planes, self.head_bf16, None if extra_rows is None else extra_rows.float())
+        model.lm_head = LMHead(self.head, None if extra_rows is None else extra_rows.float(), self.policy.act)
         model.packed = True
         return model
 
@@ -402,13 +519,17 @@ def quantize_bundled(base: CausalLM, dllm: CausalLM, gguf_path: Path, cache: Pat
 
 
 def narrow_bytes(model: CausalLM) -> int | None:
-    """Bytes a narrow (AR) forward of a 4-bit model streams: int4 blocks, scales, LoRA, norms, head planes;
-    not the dense bf16 copies that only wide calls read. None for a model without 4-bit weights."""
-    mods = [m for m in model.modules() if isinstance(m, (Int4Weight, LMHead, Q8Embedding, DenseBF16Linear))]
+    """Bytes a narrow (AR) forward of a 4-bit model streams: 4-bit blocks, scales, LoRA, norms, the Q8 head;
+    not the dense bf16 copies that only wide calls read (nor m as fp32, which only int8 activations read).
+    None for a model without 4-bit weights."""
+    mods = [m for m in model.modules() if isinstance(m, (Int4Weight, Q8Head, Q8Embedding, DenseBF16Linear))]
     if not any(isinstance(m, Int4Weight) for m in mods):
         return None
+    int8 = any(getattr(m, "act", None) == "int8" for m in model.modules())
     skip = {id(m.dense) for m in mods if isinstance(m, Int4Weight) and m.dense is not None}
-    skip |= {id(m.weight) for m in mods if isinstance(m, LMHead)}
+    skip |= {id(m.weight) for m in mods if isinstance(m, Q8Head) and m.weight is not None}
+    if not int8:
+        skip |= {id(m.mt) for m in mods if isinstance(m, (Int4Weight, Q8Head)) and m.kernels is not None}
     skip |= {id(m.q) for m in mods if isinstance(m, Q8Embedding)}  # a lookup reads only its rows
     seen: set[int] = set()
     total = 0

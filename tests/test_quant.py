@@ -27,25 +27,37 @@ def test_q4_1_blocks_dequantise_to_the_converted_checkpoint(gguf):
     assert torch.equal(emb, state["model.embed_tokens.weight"])
 
 
-def test_int4_linear_int4_and_dense_paths_and_lora(gguf):
+@pytest.fixture(params=["ours", "torch"])
+def kernels(request, monkeypatch) -> str:
+    """Both 4-bit backends: our AVX-512 kernels (engine/csrc/q4.cpp, compiled once) and torch's int4 kernel."""
+    monkeypatch.setenv("FASTDLLM_KERNELS", request.param)
+    return request.param
+
+
+@pytest.mark.parametrize("act", ["fp32", "int8"])
+def test_int4_linear_int4_and_dense_paths_and_lora(gguf, kernels, act):
     blocks = quant._fused_blocks(gguf, 3, "mlp", ("gate_proj", "up_proj"))
     weight = quant.Int4Weight(blocks, dense_bf16=True)
+    assert (weight.kernels is not None) == (kernels == "ours")
     ref_w = blocks.dequantize()
     a, b = torch.randn(8, 576) * 0.05, torch.randn(3072, 8) * 0.05
     lora = quant.LoRA([(a[:4], b[:1536, :4]), (a[4:], b[1536:, 4:])], [1536, 1536], 2.0)
-    lin = quant.Int4Linear(weight, [1536, 1536], wide_rows=4, lora=lora)
+    lin = quant.Int4Linear(weight, [1536, 1536], wide_rows=4, lora=lora, act=act)
     delta = 2.0 * torch.block_diag(b[:1536, :4], b[1536:, 4:]) @ a
-    for rows in (1, 3, 4, 9):  # below wide_rows: int4 kernel; from it: dense bf16
+    # fp32 activations on our kernels: the fp32 path's numbers up to summation order; int8 per 32-group and bf16
+    # (torch's kernel, dense copy) round the activations
+    narrow_tol = 1e-5 if (kernels, act) == ("ours", "fp32") else 2e-2
+    for rows in (1, 3, 4, 9):  # below wide_rows: 4-bit kernel; from it: dense bf16
         x = torch.randn(1, rows, 576)
         ref = F.linear(x, ref_w + delta)
         got = lin(x)
         assert got.shape == (1, rows, 3072) and got.dtype == torch.float32
-        assert (got - ref).abs().max() / ref.abs().max() < 2e-2, rows  # bf16 activations and scales
+        assert (got - ref).abs().max() / ref.abs().max() < (narrow_tol if rows < 4 else 2e-2), rows
     weight.dense = torch.zeros_like(weight.dense)  # the switch really happens at wide_rows
     assert lin(torch.randn(1, 3, 576)).abs().max() > 0.1
-    # it counts positions per sequence, not rows of the batch: 9 sequences of 1 position stay on the int4 kernel,
+    # it counts positions per sequence, not rows of the batch: 9 sequences of 1 position stay on the 4-bit kernel,
     # which computes each row alike at any batch size (the AR base has no LoRA; fp32 GEMMs are not row-exact)
-    base = quant.Int4Linear(weight, [1536, 1536], wide_rows=4)
+    base = quant.Int4Linear(weight, [1536, 1536], wide_rows=4, act=act)
     xs = torch.randn(9, 1, 576)
     torch.testing.assert_close(base(xs), torch.cat([base(x[None]) for x in xs]), atol=0, rtol=0)
     assert base(xs).abs().max() > 0.1
@@ -58,6 +70,50 @@ def test_int4_linear_int4_and_dense_paths_and_lora(gguf):
     torch.testing.assert_close(y[:, 1536:], ref[0, :, 1536:], atol=1e-4, rtol=1e-4)
 
 
+def test_our_kernels_match_the_dequantised_weights_row_by_row(gguf, monkeypatch):
+    """engine/csrc/q4.cpp on the real Q4_1 / Q8_0 weights: fp32 activations give the fp32 product (to summation
+    order), int8 ones stay within llama.cpp-like error; every row equals itself computed alone, at any row count
+    and thread count (exact batching); bad shapes are refused with the parameter named."""
+    from engine import cpu_kernels
+
+    monkeypatch.setenv("FASTDLLM_KERNELS", "ours")
+    k = cpu_kernels.load()
+    assert k is not None and cpu_kernels.status().startswith("ours")
+    down = gguf.q4["model.layers.5.mlp.down_proj"]  # K = 1536
+    qkv = quant._fused_blocks(gguf, 7, "self_attn", ("q_proj", "k_proj", "v_proj"))
+    head_q, head_d = gguf.embed_q[:8192], gguf.embed_d[:8192]
+    head_w = (head_q.float().view(8192, -1, 32) * head_d[..., None]).flatten(1)
+    cases = []
+    for blocks in (down, qkv):
+        w = quant.Int4Weight(blocks, dense_bf16=False)
+        cases.append((blocks.dequantize(), lambda x, w=w: k.q4_f32(x, w.qs, w.dm), lambda x, w=w: k.q4_i8(x, w.qs, w.dm, w.mt)))
+    head = quant.Q8Head(head_q, head_d)
+    cases.append((head_w, lambda x: k.q8_f32(x, head.u, head.d), lambda x: k.q8_i8(x, head.u, head.d, head.mt)))
+    threads = torch.get_num_threads()
+    try:
+        for ref_w, f32, i8 in cases:
+            x = torch.randn(11, ref_w.shape[1]) * torch.rand(1, ref_w.shape[1]) * 3  # uneven feature scales
+            ref = x.double() @ ref_w.double().T
+            for fn, tol in ((f32, 1e-6), (i8, 2e-2)):
+                y = fn(x)
+                assert (y.double() - ref).abs().max() / ref.abs().max() < tol
+                for t in (1, 2):
+                    torch.set_num_threads(t)
+                    for rows in (1, 3, 5, 9):
+                        torch.testing.assert_close(fn(x[:rows].contiguous()), y[:rows], atol=0, rtol=0)
+                    torch.testing.assert_close(fn(x[7:8].contiguous()), y[7:8], atol=0, rtol=0)
+    finally:
+        torch.set_num_threads(threads)
+    w = quant.Int4Weight(down, dense_bf16=False)
+    with pytest.raises(RuntimeError, match="x has 576 features, the weight 1536"):
+        k.q4_f32(torch.randn(2, 576), w.qs, w.dm)
+    with pytest.raises(RuntimeError, match="contiguous fp32"):
+        k.q4_f32(torch.randn(2, 1536).double(), w.qs, w.dm)
+    monkeypatch.setenv("FASTDLLM_KERNELS", "fast")
+    with pytest.raises(ValueError, match="FASTDLLM_KERNELS.*auto, ours, torch"):
+        cpu_kernels.load()
+
+
 def test_weight_policy_errors_name_the_setting(monkeypatch):
     monkeypatch.setenv("FASTDLLM_WEIGHTS", "int3")
     with pytest.raises(ValueError, match="FASTDLLM_WEIGHTS.*int4\\+bf16, int4, bf16, fp32"):
@@ -68,6 +124,10 @@ def test_weight_policy_errors_name_the_setting(monkeypatch):
         quant.WeightPolicy.from_env()
     monkeypatch.setenv("FASTDLLM_INT4_WIDE_ROWS", "many")
     with pytest.raises(ValueError, match="FASTDLLM_INT4_WIDE_ROWS"):
+        quant.WeightPolicy.from_env()
+    monkeypatch.setenv("FASTDLLM_INT4_WIDE_ROWS", "8")
+    monkeypatch.setenv("FASTDLLM_ACTIVATIONS", "int4")
+    with pytest.raises(ValueError, match="FASTDLLM_ACTIVATIONS.*fp32, int8"):
         quant.WeightPolicy.from_env()
 
 
@@ -82,7 +142,7 @@ def test_default_engine_runs_the_gguf_4bit_weights_and_decodes_like_fp32(engine,
     base, dllm = q.lm.base.model.layers[0].mlp.gate_up, q.lm.dllm.model.layers[0].mlp.gate_up
     assert isinstance(base, quant.Int4Linear) and base.lora is None and base.wide_rows == quant.DEFAULT_WIDE_ROWS
     assert dllm.weight is base.weight and dllm.lora is not None  # one copy of the 4-bit weights
-    assert q.lm.dllm.lm_head.weight is q.lm.base.lm_head.weight
+    assert q.lm.dllm.lm_head.core is q.lm.base.lm_head.core and q.lm.base.lm_head.core.kernels is not None
     assert _adapter_tensors(BUNDLED_ADAPTER)[1] == 2.0
     for mode in ("ar", "diffusion"):
         cfg = q.decode_config(mode=mode, max_new_tokens=24, temperature=0.0)
@@ -106,16 +166,22 @@ def test_default_engine_runs_the_gguf_4bit_weights_and_decodes_like_fp32(engine,
     assert batch == [q.generate(p, cfg, record=False)[0].summary.token_ids for p in prompts]
 
 
-def test_q8_lm_head_as_two_int4_planes(gguf):
-    """q = 16 hi + lo: the two int4 planes add up to the Q8_0 head exactly; both head paths give its logits."""
+def test_q8_lm_head_both_backends(gguf, kernels):
+    """Ours: the Q8_0 head as stored. torch: q = 16 hi + lo, two int4 planes that add up to it exactly. Both give
+    its logits, and each row's logits alike at any batch size."""
     q, d = gguf.embed_q[:4096], gguf.embed_d[:4096]
     exact = (q.float().view(4096, -1, 32) * d[..., None]).flatten(1)
-    hi, lo = quant.q8_planes(q, d)
-    assert torch.equal(hi.dequantize() + lo.dequantize(), exact)
-    head = quant.LMHead(tuple(quant.Int4Weight(p, dense_bf16=False) for p in (hi, lo)), exact.bfloat16(), None)
-    for rows in (1, quant.HEAD_WIDE_ROWS):
-        x = torch.randn(1, rows, 576)
-        ref = F.linear(x, exact)
-        assert (head(x) - ref).abs().max() / ref.abs().max() < 2e-2, rows
-    xs = torch.randn(8, 1, 576)  # 8 sequences of one position: the planes, as for each alone
-    torch.testing.assert_close(head(xs), torch.cat([head(x[None]) for x in xs]), atol=0, rtol=0)
+    if kernels == "torch":
+        hi, lo = quant.q8_planes(q, d)
+        assert torch.equal(hi.dequantize() + lo.dequantize(), exact)
+    core = quant.Q8Head(q, d)
+    assert (core.kernels is not None) == (kernels == "ours")
+    for act in quant.ACTS:
+        head = quant.LMHead(core, None, act)
+        tol = 1e-6 if (kernels, act) == ("ours", "fp32") else 2e-2
+        for rows in (1, quant.HEAD_WIDE_ROWS, 9):
+            x = torch.randn(1, rows, 576)
+            ref = F.linear(x, exact)
+            assert (head(x) - ref).abs().max() / ref.abs().max() < tol, rows
+        xs = torch.randn(8, 1, 576)  # 8 sequences of one position: each as alone
+        torch.testing.assert_close(head(xs), torch.cat([head(x[None]) for x in xs]), atol=0, rtol=0)

@@ -1,0 +1,282 @@
+// CPU products with the GGUF's quantised weights kept as stored (Q4_1 projections, Q8_0 LM head), AVX-512.
+//
+// Why hand-written: torch's int4 CPU kernel (aten._weight_int4pack_mm_for_cpu) rounds activations to bf16 and costs
+// ~k times its 1-row time at k rows; torchao's int8-activation CPU kernel (da8w4) is not in its PyPI wheel; torch
+// has no Q8_0 kernel. Every output row is computed independently, in the same order whatever the number of rows
+// M or threads: a row's result never depends on the batch it is in (exact batching, engine/quant.py).
+//
+// Weight layout (engine/quant.py packs it): outputs in tiles of 4 rows, each tile one contiguous stream (the
+// hardware prefetcher follows one stream per tile instead of 4 rows + scales); groups of 32 weights in pairs
+// (g, g + 1), and per pair the tile's 4 rows side by side:
+//   Q4: w [N/4, G/2, 4, 32] bytes, byte b = q_g[b] | q_{g+1}[b] << 4 (q in 0..15, w = d*q + m);
+//   Q8: w [N/4, G/2, 4, 64] bytes, u = q + 128 in 0..255 (w = d*q = d*u - 128 d, i.e. m = -128 d).
+//   Scales fp16 [N/4, G, 4] (d) or [N/4, G, 4, 2] (d, m); mt = m as fp32 [G, N] for the int8 path.
+//
+//   *_f32: fp32 activations, weights dequantised in registers: the fp32 path's numbers up to summation order.
+//   *_i8:  activations quantised per row and 32-group to int8 (like llama.cpp's Q8_1); integer dot products with
+//          AVX-512 VNNI (vpdpbusd, 64 multiply-adds per instruction): for multi-token forwards.
+#include "q4.h"
+
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+
+namespace {
+
+constexpr int64_t kGroup = 32;
+constexpr int64_t kMaxGroups = 64;  // K <= 2048
+constexpr int64_t kGrain = 64;      // outputs per parallel task
+constexpr int kTile = 4;            // outputs per tile (the weight layout's interleave)
+constexpr int64_t kAhead = 1024;    // software prefetch distance in a tile's weight stream, bytes
+
+inline void halves_to_float(const at::Half* src, int64_t n, float* dst) {
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16)
+    _mm512_storeu_ps(dst + i, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i))));
+  for (; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+}
+
+// ---- fp32 activations -------------------------------------------------------------------------------------------
+
+// A tile's 4 outputs x MB rows; per pair of groups and output, 4 vectors of 16 weights.
+template <bool Q8, int MB>
+void f32_tile(const float* x, const uint8_t* w, const at::Half* sc, int64_t K, int64_t n0, float* y, int64_t ldy) {
+  constexpr int NB = kTile, S = Q8 ? 1 : 2;  // S: fp16 scales per group and row
+  const int64_t G = K / kGroup, pair_bytes = Q8 ? 64 : 32;
+  const uint8_t* wt = w + (n0 / kTile) * kTile * G / 2 * pair_bytes;
+  alignas(64) float s[kTile * S * kMaxGroups];  // [g][j][S]
+  halves_to_float(sc + (n0 / kTile) * kTile * G * S, kTile * G * S, s);
+  __m512 acc[NB][MB];
+  for (int j = 0; j < NB; ++j)
+    for (int i = 0; i < MB; ++i) acc[j][i] = _mm512_setzero_ps();
+  const __m512i low = _mm512_set1_epi32(15), bias = _mm512_set1_epi32(128);
+  for (int64_t g = 0; g < G; g += 2) {
+    const uint8_t* wp = wt + (g / 2) * kTile * pair_bytes;
+    _mm_prefetch(reinterpret_cast<const char*>(wp + kAhead), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(wp + kAhead + 64), _MM_HINT_T0);
+    if constexpr (Q8) {
+      _mm_prefetch(reinterpret_cast<const char*>(wp + kAhead + 128), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(wp + kAhead + 192), _MM_HINT_T0);
+    }
+    __m512 v[NB][4];  // weights of (g, 0..15), (g, 16..31), (g+1, 0..15), (g+1, 16..31)
+    for (int j = 0; j < NB; ++j) {
+      const uint8_t* p = wp + j * pair_bytes;
+      if constexpr (Q8) {
+        const __m512 d0 = _mm512_set1_ps(s[g * kTile + j]), d1 = _mm512_set1_ps(s[(g + 1) * kTile + j]);
+        for (int c = 0; c < 4; ++c) {
+          const __m512i u = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16 * c)));
+          v[j][c] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(u, bias)), c < 2 ? d0 : d1);
+        }
+      } else {
+        const float* s0 = s + (g * kTile + j) * 2;
+        const float* s1 = s + ((g + 1) * kTile + j) * 2;
+        const __m512 d0 = _mm512_set1_ps(s0[0]), m0 = _mm512_set1_ps(s0[1]);
+        const __m512 d1 = _mm512_set1_ps(s1[0]), m1 = _mm512_set1_ps(s1[1]);
+        for (int c = 0; c < 2; ++c) {
+          const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16 * c)));
+          v[j][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(b, low)), d0, m0);
+          v[j][2 + c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4)), d1, m1);
+        }
+      }
+    }
+    for (int i = 0; i < MB; ++i) {
+      const float* xr = x + i * K + g * kGroup;
+      const __m512 x0 = _mm512_loadu_ps(xr), x1 = _mm512_loadu_ps(xr + 16);
+      const __m512 x2 = _mm512_loadu_ps(xr + 32), x3 = _mm512_loadu_ps(xr + 48);
+      for (int j = 0; j < NB; ++j) {
+        acc[j][i] = _mm512_fmadd_ps(v[j][0], x0, acc[j][i]);
+        acc[j][i] = _mm512_fmadd_ps(v[j][1], x1, acc[j][i]);
+        acc[j][i] = _mm512_fmadd_ps(v[j][2], x2, acc[j][i]);
+        acc[j][i] = _mm512_fmadd_ps(v[j][3], x3, acc[j][i]);
+      }
+    }
+  }
+  for (int j = 0; j < NB; ++j)
+    for (int i = 0; i < MB; ++i) y[i * ldy + n0 + j] = _mm512_reduce_add_ps(acc[j][i]);
+}
+
+// ---- int8 activations (VNNI) -------------------------------------------------------------------------------------
+
+struct QuantX {
+  torch::Tensor q;    // int8 [M, K]
+  torch::Tensor dxv;  // fp32 [M, G/2, 16]: per pair, lanes 0-7 = d_x of group g, 8-15 = of g + 1
+  torch::Tensor sx;   // fp32 [M, G]: d_x * sum(q_x) per group (multiplies the weights' minimum m)
+};
+
+QuantX quantize_rows(const torch::Tensor& x) {
+  const int64_t M = x.size(0), K = x.size(1), G = K / kGroup;
+  QuantX r{torch::empty({M, K}, x.options().dtype(torch::kChar)), torch::empty({M, G / 2, 16}, x.options()),
+           torch::empty({M, G}, x.options())};
+  const float* xp = x.data_ptr<float>();
+  int8_t* q = r.q.data_ptr<int8_t>();
+  float* dxv = r.dxv.data_ptr<float>();
+  float* sx = r.sx.data_ptr<float>();
+  for (int64_t i = 0; i < M; ++i)
+    for (int64_t g = 0; g < G; ++g) {
+      const float* p = xp + i * K + g * kGroup;
+      const __m512 a = _mm512_loadu_ps(p), b = _mm512_loadu_ps(p + 16);
+      const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
+      const float d = amax / 127.0f;
+      const __m512 inv = _mm512_set1_ps(d > 0 ? 1.0f / d : 0.0f);
+      const __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, inv)), qb = _mm512_cvtps_epi32(_mm512_mul_ps(b, inv));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(q + i * K + g * kGroup), _mm512_cvtsepi32_epi8(qa));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(q + i * K + g * kGroup + 16), _mm512_cvtsepi32_epi8(qb));
+      _mm256_storeu_ps(dxv + (i * (G / 2) + g / 2) * 16 + (g % 2) * 8, _mm256_set1_ps(d));
+      sx[i * G + g] = d * static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb)));
+    }
+  return r;
+}
+
+// One 512-bit vpdpbusd covers a pair of groups: lanes 0-7 sum group g, lanes 8-15 group g + 1. The weights' minimum
+// term (m * d_x * sum q_x per group) is added afterwards by add_minimums.
+template <bool Q8, int MB>
+void i8_tile(const int8_t* xq, const float* dxv, const uint8_t* w, const at::Half* sc, int64_t K, int64_t n0, float* y,
+             int64_t ldy) {
+  constexpr int NB = kTile, S = Q8 ? 1 : 2;
+  const int64_t G = K / kGroup, P = G / 2, pair_bytes = Q8 ? 64 : 32;
+  const uint8_t* wt = w + (n0 / kTile) * kTile * P * pair_bytes;
+  alignas(64) float s[kTile * S * kMaxGroups];  // [g][j][S]
+  halves_to_float(sc + (n0 / kTile) * kTile * G * S, kTile * G * S, s);
+  __m512 acc[NB][MB];
+  for (int j = 0; j < NB; ++j)
+    for (int i = 0; i < MB; ++i) acc[j][i] = _mm512_setzero_ps();
+  const __m256i low = _mm256_set1_epi8(15);
+  for (int64_t p = 0; p < P; ++p) {
+    const uint8_t* wp = wt + p * kTile * pair_bytes;
+    _mm_prefetch(reinterpret_cast<const char*>(wp + kAhead), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(wp + kAhead + 64), _MM_HINT_T0);
+    if constexpr (Q8) {
+      _mm_prefetch(reinterpret_cast<const char*>(wp + kAhead + 128), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(wp + kAhead + 192), _MM_HINT_T0);
+    }
+    __m512i wv[NB];
+    __m512 dw[NB];
+    for (int j = 0; j < NB; ++j) {
+      const float d0 = s[((2 * p) * kTile + j) * S], d1 = s[((2 * p + 1) * kTile + j) * S];
+      dw[j] = _mm512_insertf32x8(_mm512_set1_ps(d0), _mm256_set1_ps(d1), 1);
+      if constexpr (Q8) {
+        wv[j] = _mm512_loadu_si512(wp + j * 64);
+      } else {
+        const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp + j * 32));
+        wv[j] = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(b, low)),
+                                   _mm256_and_si256(_mm256_srli_epi16(b, 4), low), 1);
+      }
+    }
+    for (int i = 0; i < MB; ++i) {
+      const __m512i xv = _mm512_loadu_si512(xq + i * K + p * 64);
+      const __m512 dx = _mm512_loadu_ps(dxv + (i * P + p) * 16);
+      for (int j = 0; j < NB; ++j) {
+        const __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wv[j], xv);
+        acc[j][i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(dw[j], dx), acc[j][i]);
+      }
+    }
+  }
+  for (int j = 0; j < NB; ++j)
+    for (int i = 0; i < MB; ++i) y[i * ldy + n0 + j] = _mm512_reduce_add_ps(acc[j][i]);
+}
+
+// y[i, n] += sum_g mt[g, n] * sx[i, g] for outputs [n0, n1), 16 at a time (same order for every row and batch).
+void add_minimums(const float* mt, const float* sx, int64_t M, int64_t G, int64_t N, int64_t n0, int64_t n1, float* y) {
+  for (int64_t i = 0; i < M; ++i)
+    for (int64_t n = n0; n < n1; n += 16) {
+      const __mmask16 k = n + 16 <= n1 ? 0xffff : static_cast<__mmask16>((1u << (n1 - n)) - 1);
+      __m512 a = _mm512_setzero_ps();
+      for (int64_t g = 0; g < G; ++g)
+        a = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(k, mt + g * N + n), _mm512_set1_ps(sx[i * G + g]), a);
+      _mm512_mask_storeu_ps(y + i * N + n, k, _mm512_add_ps(_mm512_maskz_loadu_ps(k, y + i * N + n), a));
+    }
+}
+
+// ---- dispatch ------------------------------------------------------------------------------------------------------
+
+// Rows go in chunks of up to kRows, outputs in tiles of 4: 16 accumulators (register budget), independent chains
+// that hide FMA latency. Neither changes the order of one row's sums.
+constexpr int64_t kRows = 4;
+
+template <typename Fn>
+void with_rows(int64_t mb, const Fn& fn) {
+  switch (mb) {
+    case 1: fn(std::integral_constant<int, 1>{}); break;
+    case 2: fn(std::integral_constant<int, 2>{}); break;
+    case 3: fn(std::integral_constant<int, 3>{}); break;
+    default: fn(std::integral_constant<int, 4>{}); break;
+  }
+}
+
+// tile(MB, m0, n0) for every 4-output block and, inside it, every chunk of up to kRows rows (the block's weights
+// stay in L1 across the chunks); then after(n0, n1) once per task.
+template <typename Tile, typename After>
+void over_outputs(int64_t M, int64_t N, const Tile& tile, const After& after) {
+  at::parallel_for(0, N / 4, kGrain / 4, [&](int64_t b0, int64_t b1) {
+    for (int64_t blk = b0; blk < b1; ++blk)
+      for (int64_t m0 = 0; m0 < M; m0 += kRows)
+        with_rows(std::min<int64_t>(kRows, M - m0), [&](auto MB) { tile(MB, m0, blk * kTile); });
+    after(b0 * 4, b1 * 4);
+  });
+}
+
+int64_t check(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& sc, bool q8, const char* what) {
+  const int64_t K = q8 ? w.size(1) : w.size(1) * 2;
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.is_contiguous(), what,
+              ": x must be a contiguous fp32 [M, K]");
+  TORCH_CHECK(x.size(1) == K, what, ": x has ", x.size(1), " features, the weight ", K);
+  TORCH_CHECK(K % (2 * kGroup) == 0 && K / kGroup <= kMaxGroups, what, ": K = ", K,
+              " must be a multiple of 64, at most 2048");
+  TORCH_CHECK(w.size(0) % 4 == 0, what, ": output features must be a multiple of 4, got ", w.size(0));
+  TORCH_CHECK(w.scalar_type() == torch::kByte && w.is_contiguous() && sc.scalar_type() == torch::kHalf &&
+                  sc.is_contiguous() && sc.numel() == w.size(0) * (K / kGroup) * (q8 ? 1 : 2),
+              what, ": weights must be contiguous uint8 with fp16 scales");
+  return K;
+}
+
+}  // namespace
+
+torch::Tensor mm_f32(torch::Tensor x, torch::Tensor w, torch::Tensor sc, bool q8) {
+  const int64_t K = check(x, w, sc, q8, q8 ? "q8_f32" : "q4_f32"), M = x.size(0), N = w.size(0);
+  auto y = torch::empty({M, N}, x.options());
+  const float* xp = x.data_ptr<float>();
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  const at::Half* sp = sc.data_ptr<at::Half>();
+  float* yp = y.data_ptr<float>();
+  auto tile = [&](auto MB, int64_t m0, int64_t n0) {
+    if (q8) f32_tile<true, MB.value>(xp + m0 * K, wp, sp, K, n0, yp + m0 * N, N);
+    else f32_tile<false, MB.value>(xp + m0 * K, wp, sp, K, n0, yp + m0 * N, N);
+  };
+  over_outputs(M, N, tile, [](int64_t, int64_t) {});
+  return y;
+}
+
+torch::Tensor mm_i8(torch::Tensor x, torch::Tensor w, torch::Tensor sc, torch::Tensor mt, bool q8) {
+  const int64_t K = check(x, w, sc, q8, q8 ? "q8_i8" : "q4_i8"), M = x.size(0), N = w.size(0), G = K / kGroup;
+  TORCH_CHECK(mt.scalar_type() == torch::kFloat && mt.is_contiguous() && mt.size(0) == G && mt.size(1) == N,
+              "mt must be fp32 [G, N]");
+  const QuantX qx = quantize_rows(x);
+  auto y = torch::empty({M, N}, x.options());
+  const int8_t* xq = qx.q.data_ptr<int8_t>();
+  const float* dxv = qx.dxv.data_ptr<float>();
+  const float* sx = qx.sx.data_ptr<float>();
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  const at::Half* sp = sc.data_ptr<at::Half>();
+  const float* mp = mt.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  auto tile = [&](auto MB, int64_t m0, int64_t n0) {
+    if (q8) i8_tile<true, MB.value>(xq + m0 * K, dxv + m0 * (G / 2) * 16, wp, sp, K, n0, yp + m0 * N, N);
+    else i8_tile<false, MB.value>(xq + m0 * K, dxv + m0 * (G / 2) * 16, wp, sp, K, n0, yp + m0 * N, N);
+  };
+  over_outputs(M, N, tile, [&](int64_t n0, int64_t n1) { add_minimums(mp, sx, M, G, N, n0, n1, yp); });
+  return y;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("layer_step", &layer_step, "one decoder layer's narrow forward over a KV cache (engine/csrc/layer.cpp)");
+  m.def("q4_f32", [](torch::Tensor x, torch::Tensor w, torch::Tensor dm) { return mm_f32(x, w, dm, false); },
+        "x [M,K] fp32 @ Q4 [N,K]^T -> [M,N] fp32, fp32 activations");
+  m.def("q8_f32", [](torch::Tensor x, torch::Tensor w, torch::Tensor d) { return mm_f32(x, w, d, true); },
+        "x [M,K] fp32 @ Q8 [N,K]^T -> [M,N] fp32, fp32 activations");
+  m.def("q4_i8", [](torch::Tensor x, torch::Tensor w, torch::Tensor dm, torch::Tensor mt) { return mm_i8(x, w, dm, mt, false); },
+        "x [M,K] fp32 @ Q4 [N,K]^T -> [M,N] fp32, int8 activations per 32-group (VNNI)");
+  m.def("q8_i8", [](torch::Tensor x, torch::Tensor w, torch::Tensor d, torch::Tensor mt) { return mm_i8(x, w, d, mt, true); },
+        "x [M,K] fp32 @ Q8 [N,K]^T -> [M,N] fp32, int8 activations per 32-group (VNNI)");
+}
