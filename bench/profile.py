@@ -1,5 +1,8 @@
 """Where a decode's time goes: model forward (attention, MLP, LM head, the rest) vs the decoder's own work.
 
+On the bundled model's 4-bit CPU path, narrow forwards run each layer as one C++ call (engine/csrc/layer.cpp):
+that time is reported as 'layer steps' (attention and MLP together); FASTDLLM_FUSED=0 splits it again.
+
 Forward hooks time each part with perf_counter (exact on CPU, where kernels run synchronously; on GPU
 pass --sync to synchronise at each hook, which slows the run but keeps the split honest). The rest of
 the engine time (sampling, commit bookkeeping, Python between forwards) is 'decoder overhead'.
@@ -49,6 +52,19 @@ class Timers:
             h.remove()
 
 
+class TimedStep:
+    """A model's one-call layer step (engine/quant.py LayerStep) with a timer: attention and MLP in one."""
+
+    def __init__(self, step: Any, tm: Timers):
+        self.step, self.tm, self.wide_rows = step, tm, step.wide_rows
+
+    def __call__(self, *args: Any) -> Any:
+        t = self.tm._now()
+        out = self.step(*args)
+        self.tm.total["layer_steps"] += self.tm._now() - t
+        return out
+
+
 def breakdown(eng, ids: list[list[int]], cfg, sync: bool) -> dict[str, Any]:
     model = eng.lm.dllm if cfg.mode == "diffusion" else eng.lm.base
     tm = Timers(sync)
@@ -57,14 +73,19 @@ def breakdown(eng, ids: list[list[int]], cfg, sync: bool) -> dict[str, Any]:
     for layer in model.model.layers:
         tm.attach(layer.self_attn, "attention")
         tm.attach(layer.mlp, "mlp")
+    steps = model.steps
+    if steps is not None:
+        model.steps = [TimedStep(s, tm) for s in steps]
     try:
         res = eng.generate_ids(ids, cfg, record=False)
     finally:
         tm.detach()
+        model.steps = steps
     s = res[0].summary
     engine = max(r.summary.seconds for r in res)
     fwd = tm.total["forward"]
-    parts = {"attention": tm.total["attention"], "mlp": tm.total["mlp"], "lm_head": tm.total["lm_head"]}
+    parts = {"attention": tm.total["attention"], "mlp": tm.total["mlp"], "layer_steps": tm.total["layer_steps"],
+             "lm_head": tm.total["lm_head"]}
     parts["forward_other"] = fwd - sum(parts.values())  # embedding, RoPE, norms, residual adds, Python between layers
     parts["decoder_overhead"] = engine - fwd
     return {"mode": cfg.mode, "cache": cfg.cache if cfg.mode == "diffusion" else None,
@@ -129,7 +150,8 @@ def main(args: argparse.Namespace) -> int:
         r.update({k: f"{100 * v:.1f}%" for k, v in b["parts_share"].items()})
         rows.append(r)
     cols = [("setting", "setting"), ("tokens", "tokens"), ("forwards", "forwards"), ("engine_s", "engine s"),
-            ("ms_fwd", "ms/forward"), ("attention", "attention"), ("mlp", "MLP"), ("lm_head", "LM head"),
+            ("ms_fwd", "ms/forward"), ("attention", "attention"), ("mlp", "MLP"), ("layer_steps", "layer steps"),
+            ("lm_head", "LM head"),
             ("forward_other", "fwd other"), ("decoder_overhead", "decoder")]
     print(f"{eng.lm.banner()} · threads {torch.get_num_threads()} · prompt {len(ids[0])} tokens")
     print(table(rows, cols))

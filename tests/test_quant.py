@@ -185,3 +185,58 @@ def test_q8_lm_head_both_backends(gguf, kernels):
             assert (head(x) - ref).abs().max() / ref.abs().max() < tol, rows
         xs = torch.randn(8, 1, 576)  # 8 sequences of one position: each as alone
         torch.testing.assert_close(head(xs), torch.cat([head(x[None]) for x in xs]), atol=0, rtol=0)
+
+
+def test_one_call_layer_step_matches_the_eager_layers(monkeypatch):
+    """engine/csrc/layer.cpp: a narrow cached forward runs each decoder layer as one call (AR base and dLLM with its
+    LoRA); its logits match the eager layers', greedy answers are the same, and wide forwards keep the eager path."""
+    from engine import Engine
+    from engine.model import KVCache
+
+    monkeypatch.setenv("FASTDLLM_WEIGHTS", "int4+bf16")
+    monkeypatch.setenv("FASTDLLM_FUSED", "1")
+    q = Engine.load()
+    steps_of = {id(m): m.steps for m in (q.lm.base, q.lm.dllm)}
+    for model in (q.lm.base, q.lm.dllm):
+        assert model.steps is not None and len(model.steps) == model.cfg.num_hidden_layers
+        ids = torch.randint(0, 2000, (2, 40))
+        pos = torch.arange(40)[None].expand(2, 40)
+        with torch.inference_mode():
+            outs = []
+            for steps in (model.steps, None):
+                model.steps = steps
+                cache = KVCache(model.cfg, 2, 128, torch.device("cpu"), torch.float32)
+                model(ids[:, :31], pos[:, :31], cache=cache, start=0, causal=True)  # prefill: wide, eager either way
+                one = model(ids[:, 31:32], pos[:, 31:32], cache=cache, start=31, causal=True)  # AR step
+                nine = model(ids[:, 32:], pos[:, 32:], cache=cache, start=32, causal=False)  # a sub-block step
+                outs.append((one, nine))
+            model.steps = steps_of[id(model)]
+        for fused, eager in zip(*outs):
+            assert (fused - eager).abs().max() / eager.abs().max() < 1e-4
+    # the switch: wide forwards never reach the steps, narrow ones do
+    model = q.lm.base
+    saved = model.steps
+
+    class Refuse:
+        wide_rows = saved[0].wide_rows
+
+        def __call__(self, *a):
+            raise AssertionError("layer step called")
+
+    model.steps = [Refuse()] * len(saved)
+    try:
+        with torch.inference_mode():
+            cache = KVCache(model.cfg, 1, 64, torch.device("cpu"), torch.float32)
+            model(torch.randint(0, 2000, (1, 16)), torch.arange(16)[None], cache=cache, start=0, causal=True)
+            with pytest.raises(AssertionError, match="layer step called"):
+                model(torch.tensor([[5]]), torch.tensor([[16]]), cache=cache, start=16, causal=True)
+    finally:
+        model.steps = saved
+    monkeypatch.setenv("FASTDLLM_FUSED", "0")
+    eager = Engine.load()
+    assert eager.lm.base.steps is None and eager.lm.dllm.steps is None
+    for mode in ("ar", "diffusion"):
+        cfg = q.decode_config(mode=mode, max_new_tokens=24, temperature=0.0)
+        for prompt in PROMPTS:
+            assert q.generate(prompt, cfg, record=False)[0].summary.token_ids == \
+                eager.generate(prompt, cfg, record=False)[0].summary.token_ids, (mode, prompt)
