@@ -69,7 +69,9 @@ class LoadedModel:
         adapter = " + Fast-dLLM v2 adapter" if self.source.adapter else ""
         dt = str(self.dtype).replace("torch.", "")
         w = self.info.get("weights", dt)
-        return f"{self.name}{adapter} · {self.source.reason} · {self.device.type} · {dt}" + (f" · {w} weights" if w != dt else "")
+        k = self.info.get("kernels")
+        return (f"{self.name}{adapter} · {self.source.reason} · {self.device.type} · {dt}"
+                + (f" · {w} weights" if w != dt else "") + (f" ({k})" if k else ""))
 
 
 def cache_dir() -> Path:
@@ -301,8 +303,14 @@ def load(model: str | None = None, device: str | None = None, dtype: str | None 
     four_bit = source.kind == "bundled" and dev.type == "cpu" and policy.mode != "fp32"
     dllm = apply_adapter(base, source.adapter, merge_lora=not four_bit) if source.adapter else base
     weights = str(dt).replace("torch.", "")
+    kernels = None
     if four_bit:
         weights = policy.mode
+        from . import cpu_kernels
+
+        kernels = cpu_kernels.status()
+        if kernels.startswith("ours"):
+            kernels += f", {policy.act} activations"
         # The GGUF's own 4-bit blocks replace the dequantised projections (engine/quant.py).
         quant.quantize_bundled(base, dllm, _gguf_path(), source.path / "q4_1_blocks.safetensors",
                                *_adapter_tensors(source.adapter), policy)
@@ -326,4 +334,4 @@ def load(model: str | None = None, device: str | None = None, dtype: str | None 
     return LoadedModel(name=name, source=source, dllm=dllm, base=base, tokenizer=tok, mask_token_id=mask_id,
                        stop_token_ids=stops, device=dev, dtype=dt, load_seconds=time.perf_counter() - t0,
                        info={"model_type": cfg_json.get("model_type"), "bd_size": cfg_json.get("bd_size"),
-                             "weights": weights})
+                             "weights": weights, **({"kernels": kernels} if kernels else {})})

@@ -139,6 +139,7 @@ def test_default_engine_runs_the_gguf_4bit_weights_and_decodes_like_fp32(engine,
     monkeypatch.delenv("FASTDLLM_WEIGHTS")
     q = Engine.load()
     assert q.lm.info["weights"] == "int4+bf16" and "int4+bf16 weights" in q.lm.banner()
+    assert q.lm.info["kernels"] == "ours (AVX-512 VNNI), fp32 activations" and q.lm.info["kernels"] in q.lm.banner()
     base, dllm = q.lm.base.model.layers[0].mlp.gate_up, q.lm.dllm.model.layers[0].mlp.gate_up
     assert isinstance(base, quant.Int4Linear) and base.lora is None and base.wide_rows == quant.DEFAULT_WIDE_ROWS
     assert dllm.weight is base.weight and dllm.lora is not None  # one copy of the 4-bit weights
@@ -240,3 +241,27 @@ def test_one_call_layer_step_matches_the_eager_layers(monkeypatch):
         for prompt in PROMPTS:
             assert q.generate(prompt, cfg, record=False)[0].summary.token_ids == \
                 eager.generate(prompt, cfg, record=False)[0].summary.token_ids, (mode, prompt)
+
+
+def test_kernels_fall_back_to_torch_with_the_reason(monkeypatch):
+    """Without AVX-512 VNNI (or a compiler) the engine uses torch's int4 kernel and says why; FASTDLLM_KERNELS=ours
+    turns that into an error instead."""
+    from engine import cpu_kernels
+
+    monkeypatch.setattr(cpu_kernels, "cpu_flags", lambda: {"avx2", "fma"})
+    cpu_kernels._build.cache_clear()
+    try:
+        monkeypatch.setenv("FASTDLLM_KERNELS", "auto")
+        assert cpu_kernels.load() is None
+        assert cpu_kernels.status().startswith("torch (this CPU lacks avx512f")
+        blocks = quant.Q4Blocks(torch.randint(0, 16, (64, 128), dtype=torch.uint8), torch.rand(64, 4) * 0.01,
+                                -torch.rand(64, 4) * 0.05)
+        w = quant.Int4Weight(blocks, dense_bf16=False)
+        assert w.kernels is None and hasattr(w, "packed")
+        x = torch.randn(3, 128)
+        assert (w.narrow(x, "fp32") - x @ blocks.dequantize().T).abs().max() < 0.05
+        monkeypatch.setenv("FASTDLLM_KERNELS", "ours")
+        with pytest.raises(RuntimeError, match="FASTDLLM_KERNELS=ours: this CPU lacks"):
+            cpu_kernels.load()
+    finally:
+        cpu_kernels._build.cache_clear()

@@ -62,10 +62,82 @@ torch::Tensor project(const torch::Tensor& x, const std::vector<torch::Tensor>& 
   return y;
 }
 
-inline float dot(const float* a, const float* b, int64_t n) {
-  __m512 acc = _mm512_setzero_ps();
-  for (int64_t i = 0; i < n; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc);
-  return _mm512_reduce_add_ps(acc);
+// exp(x) for x <= 0 (softmax after subtracting the max), Cephes' single-precision polynomial: ~1 ulp.
+inline __m512 exp_ps(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.3f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  x = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  x = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), x);
+  __m512 y = _mm512_set1_ps(1.9875691500e-4f);
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.3981999507e-3f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(8.3334519073e-3f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(4.1665795894e-2f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.6666665459e-1f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(5.0000001201e-1f));
+  y = _mm512_fmadd_ps(y, _mm512_mul_ps(x, x), _mm512_add_ps(x, _mm512_set1_ps(1.0f)));
+  return _mm512_scalef_ps(y, n);
+}
+
+// lane i of the result = the sum of v[i]'s 16 lanes (a transpose-and-add tree: ~45 shuffles/adds for 16 sums)
+inline __m512 sum16(const __m512* v) {
+  __m512 u[8], w[4];
+  for (int i = 0; i < 8; ++i)
+    u[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 4; ++i)
+    w[i] = _mm512_add_ps(_mm512_shuffle_ps(u[2 * i], u[2 * i + 1], 0x44), _mm512_shuffle_ps(u[2 * i], u[2 * i + 1], 0xEE));
+  const __m512 s01 = _mm512_add_ps(_mm512_shuffle_f32x4(w[0], w[1], 0x44), _mm512_shuffle_f32x4(w[0], w[1], 0xEE));
+  const __m512 s23 = _mm512_add_ps(_mm512_shuffle_f32x4(w[2], w[3], 0x44), _mm512_shuffle_f32x4(w[2], w[3], 0xEE));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(s01, s23, 0x88), _mm512_shuffle_f32x4(s01, s23, 0xDD));
+}
+
+// One query row against the keys its mask allows: out = softmax(q K^T * scale) V, 16 keys at a time.
+void attend(const float* q, const float* K, int64_t kl, const float* V, int64_t vl, const bool* vis, int64_t n,
+            int64_t D, float scale, float* s, float* out) {
+  const __m512 neg = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  __m512 mx = neg;
+  for (int64_t j0 = 0; j0 < n; j0 += 16) {
+    const int64_t cnt = std::min<int64_t>(16, n - j0);
+    const __mmask16 in = cnt == 16 ? 0xffff : static_cast<__mmask16>((1u << cnt) - 1);
+    const __mmask16 ok = _mm_mask_cmpneq_epi8_mask(in, _mm_maskz_loadu_epi8(in, vis + j0), _mm_setzero_si128());
+    __m512 sc;
+    if (ok == 0) {
+      sc = neg;
+    } else {
+      __m512 acc[16];
+      for (int j = 0; j < 16; ++j) {
+        acc[j] = _mm512_setzero_ps();
+        if (j < cnt)
+          for (int64_t d = 0; d < D; d += 16)
+            acc[j] = _mm512_fmadd_ps(_mm512_loadu_ps(q + d), _mm512_loadu_ps(K + (j0 + j) * kl + d), acc[j]);
+      }
+      sc = _mm512_mask_mov_ps(neg, ok, _mm512_mul_ps(sum16(acc), _mm512_set1_ps(scale)));
+    }
+    _mm512_storeu_ps(s + j0, sc);
+    mx = _mm512_max_ps(mx, sc);
+  }
+  const float m = _mm512_reduce_max_ps(mx);
+  for (int64_t d = 0; d < D; ++d) out[d] = 0.0f;
+  if (m == -std::numeric_limits<float>::infinity()) return;  // no visible key: zeros
+  __m512 sum = _mm512_setzero_ps();
+  const __m512 mv = _mm512_set1_ps(m);
+  for (int64_t j0 = 0; j0 < n; j0 += 16) {
+    const __m512 sc = _mm512_loadu_ps(s + j0);
+    const __mmask16 ok = _mm512_cmp_ps_mask(sc, neg, _CMP_NEQ_OQ);
+    const __m512 e = _mm512_maskz_mov_ps(ok, exp_ps(_mm512_sub_ps(sc, mv)));
+    _mm512_storeu_ps(s + j0, e);
+    sum = _mm512_add_ps(sum, e);
+  }
+  const int64_t chunks = D / 16;
+  __m512 o[8];  // D <= 128
+  for (int64_t c = 0; c < chunks; ++c) o[c] = _mm512_setzero_ps();
+  for (int64_t j = 0; j < n; ++j) {
+    if (s[j] == 0.0f) continue;
+    const __m512 e = _mm512_set1_ps(s[j]);
+    for (int64_t c = 0; c < chunks; ++c) o[c] = _mm512_fmadd_ps(e, _mm512_loadu_ps(V + j * vl + 16 * c), o[c]);
+  }
+  const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(sum));
+  for (int64_t c = 0; c < chunks; ++c) _mm512_storeu_ps(out + 16 * c, _mm512_mul_ps(o[c], inv));
 }
 
 }  // namespace
@@ -80,7 +152,7 @@ torch::Tensor layer_step(torch::Tensor x, torch::Tensor norm1, torch::Tensor nor
               "layer_step: 4 projections (q|k|v, o, gate|up, down)");
   const int64_t B = x.size(0), T = x.size(1), H = x.size(2), M = B * T, D = cos.size(1);
   const int64_t n = mask.size(2), group = heads / kv_heads;
-  TORCH_CHECK(D % 16 == 0 && heads % kv_heads == 0 && cos.size(0) == M && sin.size(0) == M, "layer_step: rope tables [B*T, D]");
+  TORCH_CHECK(D % 16 == 0 && D <= 128 && heads % kv_heads == 0 && cos.size(0) == M && sin.size(0) == M, "layer_step: rope tables [B*T, D]");
   TORCH_CHECK(mask.scalar_type() == torch::kBool && mask.is_contiguous() && mask.size(0) == B && mask.size(1) == T,
               "layer_step: mask must be bool [B, T, keys]");
   TORCH_CHECK(pos.scalar_type() == torch::kLong && pos.is_contiguous() && pos.numel() == M, "layer_step: pos [B, T]");
@@ -118,30 +190,11 @@ torch::Tensor layer_step(torch::Tensor x, torch::Tensor norm1, torch::Tensor nor
   const bool* mp = mask.data_ptr<bool>();
   const float scale = 1.0f / std::sqrt(static_cast<float>(D));
   at::parallel_for(0, M * heads, 16, [&](int64_t i0, int64_t i1) {
-    std::vector<float> s(n);
+    std::vector<float> s((n + 15) / 16 * 16);
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t m = i / heads, h = i % heads, b = m / T, g = h / group;
-      const float* q = qp + m * W + h * D;
-      const bool* vis = mp + m * n;
-      const float* K = kc + b * kb + g * kh;
-      const float* V = vc + b * vb + g * vh;
-      float mx = -std::numeric_limits<float>::infinity();
-      for (int64_t j = 0; j < n; ++j)
-        if (vis[j]) { s[j] = dot(q, K + j * kl, D) * scale; mx = std::max(mx, s[j]); }
-      float* o = ap + m * heads * D + h * D;
-      for (int64_t d = 0; d < D; ++d) o[d] = 0.0f;
-      if (mx == -std::numeric_limits<float>::infinity()) continue;  // no visible key: zeros
-      float sum = 0.0f;
-      for (int64_t j = 0; j < n; ++j)
-        if (vis[j]) {
-          const float e = std::exp(s[j] - mx);
-          sum += e;
-          const __m512 ev = _mm512_set1_ps(e);
-          for (int64_t d = 0; d < D; d += 16)
-            _mm512_storeu_ps(o + d, _mm512_fmadd_ps(ev, _mm512_loadu_ps(V + j * vl + d), _mm512_loadu_ps(o + d)));
-        }
-      const __m512 inv = _mm512_set1_ps(1.0f / sum);
-      for (int64_t d = 0; d < D; d += 16) _mm512_storeu_ps(o + d, _mm512_mul_ps(_mm512_loadu_ps(o + d), inv));
+      attend(qp + m * W + h * D, kc + b * kb + g * kh, kl, vc + b * vb + g * vh, vl, mp + m * n, n, D, scale, s.data(),
+             ap + m * heads * D + h * D);
     }
   });
   torch::Tensor h1 = x2 + project(att, weights, 1, int8, lora_a[1], lora_b[1], lora_slices[1]);
