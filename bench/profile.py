@@ -56,7 +56,7 @@ class TimedStep:
     """A model's one-call layer step (engine/quant.py LayerStep) with a timer: attention and MLP in one."""
 
     def __init__(self, step: Any, tm: Timers):
-        self.step, self.tm, self.wide_rows = step, tm, step.wide_rows
+        self.step, self.tm, self.max_width = step, tm, step.max_width
 
     def __call__(self, *args: Any) -> Any:
         t = self.tm._now()

@@ -33,6 +33,12 @@ def cpu_flags() -> set[str]:
     return set()
 
 
+def bf16_ok() -> bool:
+    """AVX-512 BF16 (Zen 4, Cooper Lake, Sapphire Rapids): wide calls run the 4-bit weights through q4_bf16
+    instead of a dense bf16 copy (engine/quant.py)."""
+    return "avx512_bf16" in cpu_flags()
+
+
 def choice() -> str:
     c = os.environ.get("FASTDLLM_KERNELS", "").strip() or "auto"
     if c not in CHOICES:

@@ -18,7 +18,7 @@ from torch import Tensor
 
 from .config import DecodeConfig
 from .events import Event, Listener, Summary, Token
-from .model import CausalLM, KVCache, block_causal_mask, causal_mask
+from .model import CausalLM, KVCache, block_causal_mask, causal_mask, wide_calls
 from .sampling import sample, select_commits
 from .static import StaticStepper
 from .text import IncrementalDetokenizer, TokenBytes
@@ -209,7 +209,8 @@ class Decoder:
             self._new_cache(len(rows), max_len)
         batch = Batch(rows, seq, cache)
         if self.cfg.mode == "ar":
-            self._prefill_ar(batch, prompts)
+            with wide_calls():  # however the batch splits the prompts, their K/V come from the same kernels
+                self._prefill_ar(batch, prompts)
         else:
             self._prefill_diffusion(batch)
         return self._retire(batch)

@@ -5,7 +5,9 @@ and training (an arbitrary boolean attention mask over [noisy || clean]).
 """
 from __future__ import annotations
 
-from typing import Callable
+from contextlib import contextmanager
+from contextvars import ContextVar
+from typing import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -21,6 +23,21 @@ Attend = Callable[[Tensor, Tensor, Tensor], Tensor]  # (q, k, v) -> attention ou
 # turn into a different greedy token; over whole multiples the masked keys add exact zeros in the same lanes, so
 # a row's numbers no longer depend on its batch (tests/test_engine.py, tests/test_quant.py). Caches round up to it.
 KEY_QUANTUM = 32
+
+
+# Forwards inside `wide_calls()` take the wide kernels of the 4-bit CPU path (engine/quant.py) at any width. An AR
+# prefill runs in it: a prompt's K/V then come out the same whether it is prefilled whole (one user) or as a shared
+# prefix plus a short suffix (a batch, engine/decode.py), so batched answers stay the single-user ones.
+WIDE_CALLS: ContextVar[bool] = ContextVar("fastdllm_wide_calls", default=False)
+
+
+@contextmanager
+def wide_calls() -> Iterator[None]:
+    token = WIDE_CALLS.set(True)
+    try:
+        yield
+    finally:
+        WIDE_CALLS.reset(token)
 
 
 def whole_key_quanta(n: int) -> int:
@@ -220,7 +237,7 @@ class CausalLM(nn.Module):
             mask, kv_len = _quantum_mask(pos, mask, causal, kv_len, cache.k.shape[3])
             causal = False
         if self.steps is not None and isinstance(mask, Tensor) and not torch.is_grad_enabled() \
-                and (self.steps[0].wide_rows is None or x.shape[1] < self.steps[0].wide_rows):
+                and x.shape[1] <= self.steps[0].max_width and not WIDE_CALLS.get():
             b, t = ids.shape
             d = cos.shape[-1]
             shared = (cos.expand(b, 1, t, d).reshape(b * t, d).contiguous(), sin.expand(b, 1, t, d).reshape(b * t, d).contiguous(),

@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from . import cpu_kernels
-from .model import CausalLM
+from .model import WIDE_CALLS, CausalLM
 
 MODES = ("int4+bf16", "int4", "bf16", "fp32")
 DEFAULT_MODE = "int4+bf16"
@@ -209,27 +209,31 @@ def _ours(n: int, k: int) -> ModuleType | None:
 
 
 class Int4Weight(nn.Module):
-    """One (fused) projection's base weight, 4-bit, and a dense bf16 copy for wide calls (int4+bf16).
+    """One (fused) projection's base weight, 4-bit, and what wide calls run (int4+bf16).
 
     With our kernels (engine/cpu_kernels.py): the file's q, d, m as they are (`qs` nibble pairs, `dm` fp16, `mt` =
-    m as fp32 [groups, out] for the int8-activation path). Otherwise torch's int4 pack, whose kernel wants bf16
-    scales and zeros (d and m + 8d rounded to bf16)."""
+    m as fp32 [groups, out] for the int8-activation path); wide calls dequantise tiles to bf16 on the fly
+    (`q4_bf16`, on CPUs with AVX-512 BF16) or, elsewhere, use a dense bf16 copy. Otherwise torch's int4 pack, whose
+    kernel wants bf16 scales and zeros (d and m + 8d rounded to bf16), and a dense bf16 copy."""
 
     def __init__(self, blocks: Q4Blocks, dense_bf16: bool):
         super().__init__()
         self.out_features, self.in_features = blocks.q.shape
         self.kernels = _ours(self.out_features, self.in_features)
+        self.wide_bf16 = False  # wide calls through q4_bf16 (no dense copy)
+        dense = None
         if self.kernels is not None:
             self.register_buffer("qs", pack_pairs(blocks.q))
             self.register_buffer("dm", tiled(torch.stack([blocks.d, blocks.m], -1).half(), self.in_features // GROUP))
             self.register_buffer("mt", blocks.m.t().contiguous().float())
-            dense = blocks.dequantize() if dense_bf16 else None
+            self.wide_bf16 = dense_bf16 and cpu_kernels.bf16_ok()
+            if dense_bf16 and not self.wide_bf16:
+                dense = blocks.dequantize()
         else:
             self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(blocks.q.int(), 1))
             zero = blocks.m + 8 * blocks.d
             sz = torch.stack([blocks.d, zero], -1).transpose(0, 1).contiguous().bfloat16()
             self.register_buffer("scale_zero", sz)
-            dense = None
             if dense_bf16:  # from the same bf16 scales/zeros, so both paths compute with the same weights
                 q = blocks.q.view(self.out_features, -1, GROUP).float() - 8
                 sz = sz.float().transpose(0, 1)  # [out, groups, 2]
@@ -245,6 +249,12 @@ class Int4Weight(nn.Module):
         if act == "int8":
             return self.kernels.q4_i8(x, self.qs, self.dm, self.mt)
         return self.kernels.q4_f32(x, self.qs, self.dm)
+
+    def wide(self, x: Tensor) -> Tensor:
+        """x [rows, in] -> [rows, out] fp32 with bf16 weights and activations (int4+bf16's wide calls)."""
+        if self.wide_bf16:
+            return self.kernels.q4_bf16(x.float().contiguous(), self.qs, self.dm)
+        return F.linear(x.to(torch.bfloat16), self.dense).float()
 
 
 class LoRA(nn.Module):
@@ -296,8 +306,8 @@ class Int4Linear(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         w = self.weight
         x2 = x.reshape(-1, w.in_features)
-        if self.wide_rows is not None and _width(x) >= self.wide_rows:
-            y = F.linear(x2.to(torch.bfloat16), w.dense).to(x.dtype)
+        if self.wide_rows is not None and (_width(x) >= self.wide_rows or WIDE_CALLS.get()):
+            y = w.wide(x2).to(x.dtype)
         else:
             y = w.narrow(x2, self.act).to(x.dtype)
         if self.lora is not None:
@@ -401,6 +411,9 @@ class Q8Embedding(nn.Module):
         return x
 
 
+FUSED_MAX_WIDTH = 32  # widest forward the one-call layer step takes (a block step); prefills stay eager
+
+
 class LayerStep:
     """One decoder layer's narrow forward as a single call of our kernels (engine/csrc/layer.cpp), for layers whose
     four projections are Int4Linear on our kernels. Holds the layer's tensors, gathered once: the model is
@@ -411,6 +424,9 @@ class LayerStep:
         projs = [attn.qkv, attn.o_proj, mlp.gate_up, mlp.down_proj]
         self.kernels, self.int8 = kernels, act == "int8"
         self.wide_rows = projs[0].wide_rows
+        # widths it takes: below wide_rows; up to a block (FUSED_MAX_WIDTH) when wide calls have q4_bf16
+        self.max_width = FUSED_MAX_WIDTH if all(p.weight.wide_bf16 for p in projs) and self.wide_rows is not None \
+            else (self.wide_rows or FUSED_MAX_WIDTH + 1) - 1
         self.heads, self.kv_heads = attn.h, attn.hkv
         self.norm1, self.norm2 = layer.input_layernorm.weight, layer.post_attention_layernorm.weight
         self.eps = layer.input_layernorm.eps
@@ -426,9 +442,10 @@ class LayerStep:
 
     def __call__(self, x: Tensor, cache_k: Tensor, cache_v: Tensor, shared: tuple[Tensor, Tensor, Tensor, Tensor]) -> Tensor:
         cos, sin, pos, mask = shared
+        wide = self.wide_rows is not None and x.shape[1] >= self.wide_rows
         return self.kernels.layer_step(x, self.norm1, self.norm2, self.eps, self.weights, self.lora_a, self.lora_b,
-                                       self.slices, self.int8, self.heads, self.kv_heads, cos, sin, cache_k, cache_v,
-                                       pos, mask)
+                                       self.slices, self.int8, wide, self.heads, self.kv_heads, cos, sin, cache_k,
+                                       cache_v, pos, mask)
 
 
 def fused_wanted() -> bool:

@@ -53,7 +53,8 @@ def test_int4_linear_int4_and_dense_paths_and_lora(gguf, kernels, act):
         got = lin(x)
         assert got.shape == (1, rows, 3072) and got.dtype == torch.float32
         assert (got - ref).abs().max() / ref.abs().max() < (narrow_tol if rows < 4 else 2e-2), rows
-    weight.dense = torch.zeros_like(weight.dense)  # the switch really happens at wide_rows
+    assert weight.wide_bf16 == (kernels == "ours") and (weight.dense is None) == weight.wide_bf16  # this CPU: BF16
+    weight.wide_bf16, weight.dense = False, torch.zeros(3072, 576, dtype=torch.bfloat16)  # the switch: at wide_rows
     assert lin(torch.randn(1, 3, 576)).abs().max() > 0.1
     # it counts positions per sequence, not rows of the batch: 9 sequences of 1 position stay on the 4-bit kernel,
     # which computes each row alike at any batch size (the AR base has no LoRA; fp32 GEMMs are not row-exact)
@@ -189,10 +190,11 @@ def test_q8_lm_head_both_backends(gguf, kernels):
 
 
 def test_one_call_layer_step_matches_the_eager_layers(monkeypatch):
-    """engine/csrc/layer.cpp: a narrow cached forward runs each decoder layer as one call (AR base and dLLM with its
-    LoRA); its logits match the eager layers', greedy answers are the same, and wide forwards keep the eager path."""
+    """engine/csrc/layer.cpp: a cached forward of up to a block runs each decoder layer as one call (AR base and dLLM
+    with its LoRA; below the switch point fp32 activations, from it bf16 ones as the eager wide calls); its logits
+    match the eager layers', greedy answers are the same, and wider forwards and AR prefills keep the eager path."""
     from engine import Engine
-    from engine.model import KVCache
+    from engine.model import KVCache, wide_calls
 
     monkeypatch.setenv("FASTDLLM_WEIGHTS", "int4+bf16")
     monkeypatch.setenv("FASTDLLM_FUSED", "1")
@@ -200,26 +202,28 @@ def test_one_call_layer_step_matches_the_eager_layers(monkeypatch):
     steps_of = {id(m): m.steps for m in (q.lm.base, q.lm.dllm)}
     for model in (q.lm.base, q.lm.dllm):
         assert model.steps is not None and len(model.steps) == model.cfg.num_hidden_layers
-        ids = torch.randint(0, 2000, (2, 40))
-        pos = torch.arange(40)[None].expand(2, 40)
+        assert model.steps[0].max_width == quant.FUSED_MAX_WIDTH  # this CPU has AVX-512 BF16
+        ids = torch.randint(0, 2000, (2, 72))
+        pos = torch.arange(72)[None].expand(2, 72)
         with torch.inference_mode():
             outs = []
             for steps in (model.steps, None):
                 model.steps = steps
                 cache = KVCache(model.cfg, 2, 128, torch.device("cpu"), torch.float32)
-                model(ids[:, :31], pos[:, :31], cache=cache, start=0, causal=True)  # prefill: wide, eager either way
+                model(ids[:, :31], pos[:, :31], cache=cache, start=0, causal=True)  # 31 wide: fused / eager
                 one = model(ids[:, 31:32], pos[:, 31:32], cache=cache, start=31, causal=True)  # AR step
-                nine = model(ids[:, 32:], pos[:, 32:], cache=cache, start=32, causal=False)  # a sub-block step
-                outs.append((one, nine))
+                nine = model(ids[:, 32:41], pos[:, 32:41], cache=cache, start=32, causal=False)  # a sub-block step
+                block = model(ids[:, 40:72], pos[:, 40:72], cache=cache, start=40, causal=False)  # a block step
+                outs.append((one, nine, block))
             model.steps = steps_of[id(model)]
         for fused, eager in zip(*outs):
-            assert (fused - eager).abs().max() / eager.abs().max() < 1e-4
-    # the switch: wide forwards never reach the steps, narrow ones do
+            assert (fused - eager).abs().max() / eager.abs().max() < 1e-2  # bf16 activations in the 31/32-wide ones
+    # the switch: forwards wider than a block and AR prefills (wide_calls) never reach the steps, the others do
     model = q.lm.base
     saved = model.steps
 
     class Refuse:
-        wide_rows = saved[0].wide_rows
+        max_width = saved[0].max_width
 
         def __call__(self, *a):
             raise AssertionError("layer step called")
@@ -227,10 +231,12 @@ def test_one_call_layer_step_matches_the_eager_layers(monkeypatch):
     model.steps = [Refuse()] * len(saved)
     try:
         with torch.inference_mode():
-            cache = KVCache(model.cfg, 1, 64, torch.device("cpu"), torch.float32)
-            model(torch.randint(0, 2000, (1, 16)), torch.arange(16)[None], cache=cache, start=0, causal=True)
+            cache = KVCache(model.cfg, 1, 96, torch.device("cpu"), torch.float32)
+            model(torch.randint(0, 2000, (1, 40)), torch.arange(40)[None], cache=cache, start=0, causal=True)
+            with wide_calls():
+                model(torch.tensor([[5]]), torch.tensor([[40]]), cache=cache, start=40, causal=True)
             with pytest.raises(AssertionError, match="layer step called"):
-                model(torch.tensor([[5]]), torch.tensor([[16]]), cache=cache, start=16, causal=True)
+                model(torch.tensor([[5]]), torch.tensor([[41]]), cache=cache, start=41, causal=True)
     finally:
         model.steps = saved
     monkeypatch.setenv("FASTDLLM_FUSED", "0")

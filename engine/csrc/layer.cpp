@@ -1,6 +1,7 @@
-// One decoder layer's narrow forward (the AR step, dual-cache sub-block steps) in one call: RMSNorm, q|k|v with
+// One decoder layer's cached forward of up to a block (the AR step, dual-cache sub-block steps, block steps) in one call: RMSNorm, q|k|v with
 // our 4-bit kernel (+ the dLLM's LoRA), RoPE, K/V written to the cache, attention over the cached keys, o_proj,
-// residual, RMSNorm, gate|up, SiLU x up, down_proj, residual.
+// residual, RMSNorm, gate|up, SiLU x up, down_proj, residual. `wide` (from engine/quant.py's switch point) runs the
+// products with bf16 activations (q4_bf16), as the eager layers' wide calls do.
 //
 // Why: on this CPU an eager layer is ~80 small torch ops (~1-10 us each: dispatch, allocation, a decomposed
 // RMSNorm, SDPA's setup), which cost more than the layer's 4-bit products at one token. Every row (b, t) is
@@ -45,13 +46,13 @@ torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& w, double ep
 }
 
 // y = x W^T (+ x A^T B^T per fused part, the dLLM's LoRA: the same ATen products as engine/quant.py's LoRA)
-torch::Tensor project(const torch::Tensor& x, const std::vector<torch::Tensor>& wt, int p, bool int8,
+torch::Tensor project(const torch::Tensor& x, const std::vector<torch::Tensor>& wt, int p, bool int8, bool wide,
                       const c10::optional<torch::Tensor>& a, const std::vector<torch::Tensor>& b,
                       const std::vector<int64_t>& slices) {
   const torch::Tensor& w = wt[3 * p];
   const torch::Tensor& sc = wt[3 * p + 1];
   const torch::Tensor& mt = wt[3 * p + 2];
-  torch::Tensor y = int8 ? mm_i8(x, w, sc, mt, false) : mm_f32(x, w, sc, false);
+  torch::Tensor y = wide ? q4_bf16(x, w, sc) : int8 ? mm_i8(x, w, sc, mt, false) : mm_f32(x, w, sc, false);
   if (a.has_value()) {
     const torch::Tensor h = at::mm(x, *a);
     for (size_t s = 0; s < b.size(); ++s) {
@@ -145,7 +146,7 @@ void attend(const float* q, const float* K, int64_t kl, const float* V, int64_t 
 torch::Tensor layer_step(torch::Tensor x, torch::Tensor norm1, torch::Tensor norm2, double eps,
                          std::vector<torch::Tensor> weights, std::vector<c10::optional<torch::Tensor>> lora_a,
                          std::vector<std::vector<torch::Tensor>> lora_b, std::vector<std::vector<int64_t>> lora_slices,
-                         bool int8, int64_t heads, int64_t kv_heads, torch::Tensor cos, torch::Tensor sin,
+                         bool int8, bool wide, int64_t heads, int64_t kv_heads, torch::Tensor cos, torch::Tensor sin,
                          torch::Tensor cache_k, torch::Tensor cache_v, torch::Tensor pos, torch::Tensor mask) {
   TORCH_CHECK(x.dim() == 3 && x.scalar_type() == torch::kFloat && x.is_contiguous(), "layer_step: x must be fp32 [B, T, H]");
   TORCH_CHECK(weights.size() == 12 && lora_a.size() == 4 && lora_b.size() == 4 && lora_slices.size() == 4,
@@ -161,7 +162,7 @@ torch::Tensor layer_step(torch::Tensor x, torch::Tensor norm1, torch::Tensor nor
   const torch::Tensor x2 = x.view({M, H});
 
   // attention half
-  torch::Tensor qkv = project(rms_norm(x2, norm1, eps), weights, 0, int8, lora_a[0], lora_b[0], lora_slices[0]);
+  torch::Tensor qkv = project(rms_norm(x2, norm1, eps), weights, 0, int8, wide, lora_a[0], lora_b[0], lora_slices[0]);
   const int64_t QK = (heads + kv_heads) * D, W = qkv.size(1);
   float* qp = qkv.data_ptr<float>();
   const float* cp = cos.data_ptr<float>();
@@ -197,12 +198,12 @@ torch::Tensor layer_step(torch::Tensor x, torch::Tensor norm1, torch::Tensor nor
              ap + m * heads * D + h * D);
     }
   });
-  torch::Tensor h1 = x2 + project(att, weights, 1, int8, lora_a[1], lora_b[1], lora_slices[1]);
+  torch::Tensor h1 = x2 + project(att, weights, 1, int8, wide, lora_a[1], lora_b[1], lora_slices[1]);
 
   // MLP half
-  torch::Tensor gu = project(rms_norm(h1, norm2, eps), weights, 2, int8, lora_a[2], lora_b[2], lora_slices[2]);
+  torch::Tensor gu = project(rms_norm(h1, norm2, eps), weights, 2, int8, wide, lora_a[2], lora_b[2], lora_slices[2]);
   const int64_t I = gu.size(1) / 2;
   torch::Tensor act = at::silu(gu.narrow(1, 0, I)) * gu.narrow(1, I, I);
-  h1 += project(act, weights, 3, int8, lora_a[3], lora_b[3], lora_slices[3]);
+  h1 += project(act, weights, 3, int8, wide, lora_a[3], lora_b[3], lora_slices[3]);
   return h1.view({B, T, H});
 }

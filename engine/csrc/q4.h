@@ -7,9 +7,10 @@
 // x [M, K] fp32 @ W^T -> [M, N] fp32; W Q4 (w, dm) or Q8 (w, d) in q4.cpp's tiled layout.
 torch::Tensor mm_f32(torch::Tensor x, torch::Tensor w, torch::Tensor sc, bool q8);
 torch::Tensor mm_i8(torch::Tensor x, torch::Tensor w, torch::Tensor sc, torch::Tensor mt, bool q8);
+torch::Tensor q4_bf16(torch::Tensor x, torch::Tensor w, torch::Tensor dm);  // needs AVX-512 BF16
 
 torch::Tensor layer_step(torch::Tensor x, torch::Tensor norm1, torch::Tensor norm2, double eps,
                          std::vector<torch::Tensor> weights, std::vector<c10::optional<torch::Tensor>> lora_a,
                          std::vector<std::vector<torch::Tensor>> lora_b, std::vector<std::vector<int64_t>> lora_slices,
-                         bool int8, int64_t heads, int64_t kv_heads, torch::Tensor cos, torch::Tensor sin,
+                         bool int8, bool wide, int64_t heads, int64_t kv_heads, torch::Tensor cos, torch::Tensor sin,
                          torch::Tensor cache_k, torch::Tensor cache_v, torch::Tensor pos, torch::Tensor mask);
