@@ -216,7 +216,7 @@ class CausalLM(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.packed = False  # True after engine.packing.pack_for_decode (inference only)
-        self.steps: list | None = None  # engine/quant.py LayerStep per layer: narrow cached forwards in one call each
+        self.steps: list | None = None  # engine/quant.py LayerStep per layer: cached forwards up to a block, one call each
 
     def forward(self, ids: Tensor, pos: Tensor, cache: KVCache | None = None, *, start: int | None = None,
                 kv_len: int | None = None, mask: Tensor | Attend | None = None, causal: bool = False,
@@ -236,7 +236,7 @@ class CausalLM(nn.Module):
         if cache is not None and x.device.type == "cpu" and (mask is None or isinstance(mask, Tensor)):
             mask, kv_len = _quantum_mask(pos, mask, causal, kv_len, cache.k.shape[3])
             causal = False
-        if self.steps is not None and isinstance(mask, Tensor) and not torch.is_grad_enabled() \
+        if self.steps is not None and cache is not None and isinstance(mask, Tensor) and not torch.is_grad_enabled() \
                 and x.shape[1] <= self.steps[0].max_width and not WIDE_CALLS.get():
             b, t = ids.shape
             d = cos.shape[-1]

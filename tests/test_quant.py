@@ -242,11 +242,11 @@ def test_one_call_layer_step_matches_the_eager_layers(monkeypatch):
     monkeypatch.setenv("FASTDLLM_FUSED", "0")
     eager = Engine.load()
     assert eager.lm.base.steps is None and eager.lm.dllm.steps is None
-    for mode in ("ar", "diffusion"):
-        cfg = q.decode_config(mode=mode, max_new_tokens=24, temperature=0.0)
+    for mode, cache in (("ar", "dual"), ("diffusion", "dual"), ("diffusion", "block"), ("diffusion", "none")):
+        cfg = q.decode_config(mode=mode, cache=cache, max_new_tokens=24, temperature=0.0)
         for prompt in PROMPTS:
             assert q.generate(prompt, cfg, record=False)[0].summary.token_ids == \
-                eager.generate(prompt, cfg, record=False)[0].summary.token_ids, (mode, prompt)
+                eager.generate(prompt, cfg, record=False)[0].summary.token_ids, (mode, cache, prompt)
 
 
 def test_kernels_fall_back_to_torch_with_the_reason(monkeypatch):

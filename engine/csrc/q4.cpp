@@ -16,7 +16,7 @@
 //   q4_bf16: wide calls (AVX-512 BF16): tiles dequantised to bf16 once per call, bf16 activations (a dense bf16
 //          copy's numbers, from the 4-bit stream).
 //   *_i8:  activations quantised per row and 32-group to int8 (like llama.cpp's Q8_1); integer dot products with
-//          AVX-512 VNNI (vpdpbusd, 64 multiply-adds per instruction): for multi-token forwards.
+//          AVX-512 VNNI (vpdpbusd, 64 multiply-adds per instruction): faster, further from fp32 (opt-in).
 #include "q4.h"
 
 #include <ATen/Parallel.h>
