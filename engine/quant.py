@@ -1,27 +1,24 @@
-"""4-bit weights at run time: the bundled GGUF's Q4_1 blocks, kept 4-bit, through torch's int4 CPU kernel.
+"""4-bit weights at run time: the bundled GGUF's Q4_1 blocks (projections) and Q8_0 rows (tied embedding / LM head),
+kept as stored.
 
-A Q4_1 block stores 32 weights as q in 0..15 with an fp16 scale d and minimum m: w = d*q + m
-= d*(q - 8) + (m + 8d), which is exactly torch's int4 weight-only format with group size 32
-(`aten._weight_int4pack_mm_for_cpu`: w = (q - 8) * scale + zero). The kernel wants bf16 activations and
-bf16 scales/zeros, so the only change to the weights is d and m + 8d rounded to bf16 (relative 2^-9, far
-below the 4-bit step itself). The residual stream, norms, RoPE and attention stay in the model dtype (fp32).
-
-Cost on this CPU (DESIGN.md section 9; `bench forward --variants weights=int4,weights=bf16 --widths ...`):
-the int4 kernel streams 1/8 of fp32's bytes, so a 1-token (AR) product is ~5x cheaper, but its cost grows with the
-rows k, while dense bf16 (AMX) stays flat from k = 1 to 32. So the default ("int4+bf16") keeps a dense bf16
-copy next to the int4 blocks and switches per call: int4 below `wide_rows` positions per sequence, dense bf16
-from there. The switch reads the positions of one sequence, not the rows of the whole batch, so a batch of
-AR rows (1 position each) runs the same kernels as each row alone: batched greedy answers equal single-user ones
-(a scheduler admitting users must not change anyone's tokens).
+A Q4_1 block stores 32 weights as q in 0..15 with an fp16 scale d and minimum m: w = d*q + m. Two backends:
+* ours (engine/cpu_kernels.py, engine/csrc/; CPUs with AVX-512 VNNI and a C++ compiler): narrow calls multiply
+  the file's q, d, m with fp32 activations (the fp32 path's numbers up to summation order) or, with
+  FASTDLLM_ACTIVATIONS=int8, int8 ones per 32-group (VNNI); wide calls dequantise tiles to bf16 in L1
+  (q4_bf16, AVX-512 BF16) or use a dense bf16 copy; the head runs its Q8_0 rows at every width; and
+  `LayerStep` runs a whole decoder layer of a cached forward (up to a block) in one C++ call.
+* torch (fallback, or FASTDLLM_KERNELS=torch): w = d*(q - 8) + (m + 8d) is torch's int4 weight-only format with
+  group size 32 (`aten._weight_int4pack_mm_for_cpu`), bf16 activations and scales; a dense bf16 copy for wide
+  calls; the Q8_0 head as two int4 planes (q = 16 hi + lo) below HEAD_WIDE_ROWS positions, dense bf16 above.
+"Narrow" and "wide" split at `wide_rows` positions of one sequence (FASTDLLM_INT4_WIDE_ROWS), not rows of the
+batch, so a batch of AR rows (1 position each) runs the same kernels as each row alone: batched greedy answers
+equal single-user ones (a scheduler admitting users must not change anyone's tokens).
 
 The dLLM's LoRA adapter stays a separate low-rank path (x A^T) B^T on top of the shared base weights:
 base and dLLM share one copy of the 4-bit weights, and no merged weight is re-quantised.
-The tied embedding / LM head is Q8_0 in the file: lookups dequantise the int8 rows they read; the LM head
-runs as two int4 products (q = 16 hi + lo) for 1-3 positions per sequence and as dense bf16 (Q8_0 rounded to
-bf16) for more.
 
-FASTDLLM_WEIGHTS picks the projection weights of the bundled model on CPU: int4+bf16 (default), int4, bf16,
-fp32 (today's dequantised path). FASTDLLM_INT4_WIDE_ROWS sets the switch point of int4+bf16.
+FASTDLLM_WEIGHTS picks the projection weights of the bundled model on CPU: int4+bf16 (default), int4 (4-bit at
+every width), bf16, fp32 (the dequantised path).
 """
 from __future__ import annotations
 
@@ -41,7 +38,7 @@ MODES = ("int4+bf16", "int4", "bf16", "fp32")
 DEFAULT_MODE = "int4+bf16"
 HEAD_WIDE_ROWS = 4  # LM head: int4 planes below, dense bf16 from here (7.4 vs 14.8 ms at 1 row, 25.5 vs 20.7 at 8);
 # counted per sequence, so an 8-row AR batch pays the 25.5 ms to keep every row's logits equal to its own alone
-DEFAULT_WIDE_ROWS = 16  # int4 and dense bf16 cost about the same at k = 12..16 here (bench forward --widths); see README
+DEFAULT_WIDE_ROWS = 16  # below: fp32 activations (AR steps, 9-wide sub-block steps keep the fp32 path's tokens); from it: bf16 (README)
 ACTS = ("fp32", "int8")
 DEFAULT_ACT = "fp32"  # activations of our kernels' narrow calls (README: speed and greedy agreement of both)
 GROUP = 32  # Q4_1 / Q8_0 block size
