@@ -3,6 +3,9 @@
 For each projection shape of the bundled model (fused q|k|v, o, gate|up, down) and each row count k, times:
   * torch's int4 weight-only kernel (`_weight_int4pack_mm_for_cpu`, group 32) with bf16 activations: the 4-bit path;
   * dense bf16 and fp32 products (`F.linear`) on the same shape;
+  * our kernels (engine/csrc/q4.cpp) where this CPU has them: the 4-bit weights with fp32 activations (`q4_f32`,
+    the engine's narrow calls), int8 ones (`q4_i8`, FASTDLLM_ACTIVATIONS=int8) and bf16 ones (`q4_bf16`, wide
+    calls; AVX-512 BF16), with each kernel's multiply-add rate (GMAC/s);
   * the whole model's weights streamed cold: one pass over a weight set larger than the caches, so the dense
     bf16 numbers can be read against DRAM bandwidth (a forward's weights do not stay in cache between forwards).
 Reported as microseconds (median of --repeats, each the mean of --iters calls) and as multiples of the same
@@ -39,7 +42,14 @@ def _time(fn: Callable[[], Any], iters: int, repeats: int) -> float:
     return statistics.median(runs) * 1e6
 
 
-def kernel_table(widths: list[int], iters: int, repeats: int) -> list[dict[str, Any]]:
+def kernel_table(widths: list[int], iters: int, repeats: int) -> tuple[list[dict[str, Any]], list[str]]:
+    """Rows per (shape, k) and the kernel kinds timed (our kernels only where this CPU builds them)."""
+    from engine import cpu_kernels
+    from engine.quant import pack_pairs, tiled
+
+    ours = cpu_kernels.load() if cpu_kernels.choice() != "torch" else None
+    kinds = ["int4", "bf16", "fp32"] + (["q4_f32", "q4_i8"] if ours is not None else []) \
+        + (["q4_bf16"] if ours is not None and cpu_kernels.bf16_ok() else [])
     rows = []
     for name, (out, inp) in SHAPES.items():
         q = torch.randint(0, 16, (out, inp), dtype=torch.int32)
@@ -47,20 +57,29 @@ def kernel_table(widths: list[int], iters: int, repeats: int) -> list[dict[str, 
         sz = (torch.rand(inp // GROUP, out, 2) * 0.01).bfloat16()
         w32 = torch.randn(out, inp) * 0.02
         w16 = w32.bfloat16()
+        if ours is not None:  # the engine's layout of the same 4-bit weights
+            qs = pack_pairs(q.to(torch.uint8))
+            d, m = torch.rand(out, inp // GROUP) * 0.01, -torch.rand(out, inp // GROUP) * 0.08
+            dm = tiled(torch.stack([d, m], -1).half(), inp // GROUP)
+            mt = m.half().float().t().contiguous()
         for k in widths:
             x32 = torch.randn(k, inp)
             x16 = x32.bfloat16()
-            rows.append({
-                "shape": name, "out": out, "in": inp, "k": k,
-                "int4_us": _time(lambda: torch.ops.aten._weight_int4pack_mm_for_cpu(x16, packed, GROUP, sz), iters, repeats),
-                "bf16_us": _time(lambda: F.linear(x16, w16), iters, repeats),
-                "fp32_us": _time(lambda: F.linear(x32, w32), iters, repeats),
-            })
+            fns = {"int4": lambda: torch.ops.aten._weight_int4pack_mm_for_cpu(x16, packed, GROUP, sz),
+                   "bf16": lambda: F.linear(x16, w16), "fp32": lambda: F.linear(x32, w32)}
+            if ours is not None:
+                fns.update({"q4_f32": lambda: ours.q4_f32(x32, qs, dm), "q4_i8": lambda: ours.q4_i8(x32, qs, dm, mt),
+                            "q4_bf16": lambda: ours.q4_bf16(x32, qs, dm)})
+            row: dict[str, Any] = {"shape": name, "out": out, "in": inp, "k": k}
+            for kind in kinds:
+                row[f"{kind}_us"] = _time(fns[kind], iters, repeats)
+                row[f"{kind}_gmacs"] = k * out * inp / row[f"{kind}_us"] / 1e3
+            rows.append(row)
     for r in rows:
         base = next(b for b in rows if b["shape"] == r["shape"] and b["k"] == widths[0])
-        for kind in ("int4", "bf16", "fp32"):
+        for kind in kinds:
             r[f"{kind}_x_k{widths[0]}"] = r[f"{kind}_us"] / base[f"{kind}_us"]
-    return rows
+    return rows, kinds
 
 
 def cold_stream_gbps(mb: int, repeats: int) -> float:
@@ -87,17 +106,18 @@ def add_parser(sub) -> None:
 def main(args: argparse.Namespace) -> int:
     setup_torch(args.threads)
     widths = parse_list(args.widths, int)
-    rows = kernel_table(widths, args.iters, args.repeats)
+    rows, kinds = kernel_table(widths, args.iters, args.repeats)
     gbps = cold_stream_gbps(args.stream_mb, args.repeats) if args.stream_mb else None
     print(f"threads {torch.get_num_threads()} · median of {args.repeats} x {args.iters} calls"
           + (f" · cold bf16 weight streaming {gbps:.1f} GB/s" if gbps else ""))
     cell = lambda r, kind: f"{r[kind + '_us']:.1f} ({r[f'{kind}_x_k{widths[0]}']:.2f}x)"  # noqa: E731
-    print(table([{"shape": r["shape"], "k": r["k"], **{kind: cell(r, kind) for kind in ("int4", "bf16", "fp32")}}
-                 for r in rows], [("shape", "shape"), ("k", "rows k"), ("int4", "int4 us (x k1)"),
-                                  ("bf16", "dense bf16 us"), ("fp32", "dense fp32 us")]))
+    heads = {"int4": "int4 us (x k1)", "bf16": "dense bf16 us", "fp32": "dense fp32 us", "q4_f32": "ours fp32-act us",
+             "q4_i8": "ours int8-act us", "q4_bf16": "ours bf16 us"}
+    print(table([{"shape": r["shape"], "k": r["k"], **{kind: cell(r, kind) for kind in kinds}} for r in rows],
+                [("shape", "shape"), ("k", "rows k"), *((kind, heads[kind]) for kind in kinds)]))
     if args.out:
         path = Path(args.out) / "kernels.json"
-        write_json(path, {"torch": torch.__version__, "cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads(), "widths": widths,
+        write_json(path, {"torch": torch.__version__, "cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads(), "widths": widths, "kinds": kinds,
                           "cold_bf16_stream_gbps": gbps, "rows": rows})
         print(f"wrote {path}")
     return 0

@@ -261,7 +261,8 @@ def test_roofline_reports_forward_cost_and_generate_overhead(eng, tmp_path, caps
 
 
 def test_kernels_bench_times_each_projection_shape_and_width(tmp_path, capsys):
-    """bench kernels: every shape x width for int4 / dense bf16 / fp32, ratios against the first width."""
+    """bench kernels: every shape x width for int4 / dense bf16 / fp32 and our kernels (this CPU builds them),
+    ratios against the first width, multiply-add rates."""
     from bench.kernels import SHAPES
 
     out = run_cli(["kernels", "--widths", "1,4", "--iters", "3", "--repeats", "1", "--stream-mb", "8",
@@ -269,8 +270,14 @@ def test_kernels_bench_times_each_projection_shape_and_width(tmp_path, capsys):
     rep = json.loads((tmp_path / "kernels.json").read_text())
     assert "int4 us" in out and rep["widths"] == [1, 4] and rep["cold_bf16_stream_gbps"] > 0
     assert {(r["shape"], r["k"]) for r in rep["rows"]} == {(s, k) for s in SHAPES for k in (1, 4)}
+    from engine import cpu_kernels
+
+    ours = all(f in cpu_kernels.cpu_flags() for f in cpu_kernels.NEEDS)
+    assert rep["kinds"][:3] == ["int4", "bf16", "fp32"] and ("q4_f32" in rep["kinds"]) == ours
+    assert ("q4_bf16" in rep["kinds"]) == (ours and cpu_kernels.bf16_ok()) and (not ours or "ours fp32-act us" in out)
     for r in rep["rows"]:
         base = next(b for b in rep["rows"] if b["shape"] == r["shape"] and b["k"] == 1)
-        for kind in ("int4", "bf16", "fp32"):
+        for kind in rep["kinds"]:
             assert r[f"{kind}_us"] > 0
             assert math.isclose(r[f"{kind}_x_k1"], r[f"{kind}_us"] / base[f"{kind}_us"])
+            assert math.isclose(r[f"{kind}_gmacs"], r["k"] * r["out"] * r["in"] / r[f"{kind}_us"] / 1e3)
