@@ -17,7 +17,7 @@ def export(run: Path, out: Path, checkpoint: Path | None = None) -> dict:
     ckpt = checkpoint or latest_checkpoint(run)
     if ckpt is None or not ckpt.exists():
         raise FileNotFoundError(f"no checkpoint in {run} (train first: python -m training train --run {run})")
-    sd = torch.load(ckpt, weights_only=False)
+    sd = torch.load(ckpt, map_location="cpu", weights_only=False)
     cfg = sd["config"]
     lora, sets, new_rows = adapter_tensors(sd["trainable"])
     if new_rows is not None and sd["mask_id"] < sd["base_vocab"]:

@@ -265,7 +265,7 @@ def _pack(group: list[Path], stage: Path) -> Path:
 def slim_checkpoint(ckpt: Path, dest: Path) -> Path:
     """The checkpoint without optimiser/RNG state, trainable tensors in fp16: `export --checkpoint` and
     `train --init-from` both read it, so a lost machine costs only the optimiser's momentum."""
-    sd = torch.load(ckpt, weights_only=False)
+    sd = torch.load(ckpt, map_location="cpu", weights_only=False)
     slim = {k: v for k, v in sd.items() if k not in ("optimizer", "scheduler", "rng")}
     slim["trainable"] = {n: t.detach().to(torch.float16) for n, t in sd["trainable"].items()}
     torch.save(slim, dest)

@@ -357,11 +357,11 @@ def train(cfg: TrainConfig) -> Trainer:
     trainer = Trainer(cfg, model, examples, mask_id, pad_id, val)
     ckpt = latest_checkpoint(cfg.run)
     if ckpt is not None:
-        trainer.load_state_dict(torch.load(ckpt, weights_only=False))
+        trainer.load_state_dict(torch.load(ckpt, map_location="cpu", weights_only=False))
         print(f"resumed from {ckpt} at step {trainer.step}/{trainer.total_steps}")
     else:
         if cfg.init_from is not None:
-            trainer.load_weights(torch.load(cfg.init_from, weights_only=False))
+            trainer.load_weights(torch.load(cfg.init_from, map_location="cpu", weights_only=False))
             print(f"initialised the adapter from {cfg.init_from}")
         print(f"new run {cfg.run}: {len(examples)} examples ({stats}), {trainer.total_steps} steps, "
               f"{sum(p.numel() for p in trainer.params):,} trainable parameters")
