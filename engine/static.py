@@ -116,6 +116,9 @@ class StaticStepper:
             cfg = self.model.cfg
             shape = (cfg.num_hidden_layers, self.rows, cfg.num_key_value_heads, self.capacity, cfg.head_dim)
             self.shapes.clear()  # graphs point into the old storage
+            # and a new pool: once its graphs are gone, the old pool's use count is 0, and capturing into it
+            # again fails an allocator assert (it->second->use_count > 0; seen on the H100 in selfinstruct)
+            self.pool = None
             self.k = self.v = None
             # zeros, not empty: masked keys still meet V in SDPA's math backend, and 0 * NaN would be NaN
             self.k = torch.zeros(shape, device=self.device, dtype=self.dtype)

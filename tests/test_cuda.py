@@ -142,6 +142,26 @@ def test_greedy_equal_across_cache_modes_and_paths(device, engines, toy):
         assert sum(s.captured for s in steppers) > 0, "the static path ran without graphs"
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_static_cache_growth_recaptures(device, engines, toy):
+    """A longer prompt grows the static KV storage (steps of 256 positions), which drops the captured graphs:
+    the next steps capture again into a fresh pool (reusing the old one failed an allocator assert on the
+    H100) and decode the same tokens as the eager forward."""
+    eager, static = engines(device, False), engines(device, True)
+    stop = {"stop_token_ids": (2**31 - 1,)} if source_for(device, toy) else {}
+    cfg = eager.decode_config(mode="ar", max_new_tokens=8, **stop)
+    long_prompt = "Summarise this text. " + " ".join(f"word{i}" for i in range(400))
+    for prompts in (PROMPTS[:1], [long_prompt]):
+        a = [r.summary.token_ids for r in eager.generate(prompts, cfg, record=False)]
+        b = [r.summary.token_ids for r in static.generate(prompts, cfg, record=False)]
+        assert a == b
+    steppers = list(static._steppers.values())
+    assert max(s.capacity for s in steppers) > 256, "the long prompt did not grow the static cache"
+    if device == "cuda":
+        assert [s.graph_error for s in steppers if s.graph_error] == []
+        assert all(s.shapes and all(sh.graph is not None for sh in s.shapes.values()) for s in steppers if s.capacity > 256)
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason=NO_CUDA)
 def test_cpu_and_cuda_traces_agree(engines, toy):
