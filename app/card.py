@@ -60,6 +60,9 @@ def measured_for(adapter: Path | None, path: Path = CARD) -> Measured | None:
         return None
     rows = {round(float(r["threshold"]), 2): (float(r["accuracy"]), float(r["tokens_per_forward_long"]))
             for r in m["diffusion"]}
-    minutes = float(meta["train_seconds"]) / 60 if "train_seconds" in meta else None
-    tokens = int(meta["tokens_seen"]) if "tokens_seen" in meta else None
+    # every phase of training when the adapter records them (training export), else its last run
+    seconds, tokens = meta.get("train_seconds_total", meta.get("train_seconds")), meta.get("tokens_seen_total",
+                                                                                         meta.get("tokens_seen"))
+    minutes = float(seconds) / 60 if seconds is not None else None
+    tokens = int(tokens) if tokens is not None else None
     return Measured(str(m["source"]), str(m["set"]), float(m["ar_accuracy"]), rows, minutes, tokens)

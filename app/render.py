@@ -91,8 +91,9 @@ def banner_html(lm: Any, can_diffuse: bool, title: str = "", measured: Measured 
         acc, tpf = measured.at(threshold)
         trained = ""
         if measured.train_minutes is not None and measured.tokens_seen is not None:
-            trained = (f" (trained {measured.train_minutes:.0f} min on {measured.tokens_seen / 1000:.0f}k tokens; "
-                       "the paper used ~1B)")
+            n = measured.tokens_seen
+            count = f"{n / 1e6:.1f}M" if n >= 1e6 else f"{n / 1e3:.0f}k"
+            trained = f" (trained {measured.train_minutes:.0f} min on {count} tokens; the paper used ~1B)"
         note = (f'<div class="fd-honest" id="fd-honest"><b>Honest numbers:</b> this small demo model{trained} '
                 f'decodes <b>{tpf:.2f} tokens per forward</b> and keeps <b>{_pct(acc / measured.ar_accuracy)} of its '
                 f'AR base\'s accuracy</b> at threshold {threshold:g} ({acc:.3f} vs {measured.ar_accuracy:.3f} on '

@@ -3,6 +3,8 @@ exact resume, and the export -> apply_adapter round trip."""
 from __future__ import annotations
 
 import itertools
+import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -249,3 +251,61 @@ def test_ablation_heldout_scores_every_answer_token_once_and_sees_training(tmp_p
     row = {"label": "+ pad", "tokens_seen": 1234, "diffusion_accuracy": 0.5, "ar_accuracy": 0.6,
            "long_tokens_per_forward": 1.1, "paper_gsm8k": 60.1, "paper_avg": 42.2, **after}
     assert "| + pad | 1,234 | 0 |" in markdown([row])
+
+
+def test_phases_add_up_across_init_from_and_reach_the_adapter(tmp_path):
+    """A run started --init-from another records it; the exported adapter's totals count both runs (the banner
+    reads them), and --after does the same for checkpoints made before runs recorded their lineage."""
+    from safetensors import safe_open
+
+    from training.train import latest_checkpoint, phase_summary
+
+    exs = examples(8)
+    first = Trainer(cfg(tmp_path / "a", max_steps=3), tiny_model(), exs, MASK, PAD)
+    first.run(tmp_path / "a" / "run")
+    ckpt1 = latest_checkpoint(tmp_path / "a" / "run")
+    sd1 = torch.load(ckpt1, weights_only=False)
+    second = Trainer(cfg(tmp_path / "b", max_steps=2), tiny_model(), exs[:6], MASK, PAD)
+    second.load_weights(sd1)
+    assert second.prior_phases == [phase_summary(sd1)]
+    second.run(tmp_path / "b" / "run")
+    ckpt2 = latest_checkpoint(tmp_path / "b" / "run")
+    sd2 = torch.load(ckpt2, weights_only=False)
+
+    def meta_of(path):
+        with safe_open(str(path), "pt") as f:
+            return f.metadata()
+
+    meta = meta_of(export(tmp_path / "b" / "run", tmp_path / "ad.safetensors")["file"])
+    assert int(meta["tokens_seen_total"]) == sd1["tokens_seen"] + sd2["tokens_seen"] > int(meta["tokens_seen"])
+    assert [p["step"] for p in json.loads(meta["phases"])] == [3, 2]
+    with pytest.raises(ValueError, match="after"):
+        export(tmp_path / "b" / "run", tmp_path / "x.safetensors", after=[ckpt1])
+    legacy = tmp_path / "legacy.pt"  # a checkpoint from before runs recorded what they were initialised from
+    torch.save({k: v for k, v in sd2.items() if k != "prior_phases"}, legacy)
+    again = meta_of(export(tmp_path / "b" / "run", tmp_path / "ad2.safetensors", checkpoint=legacy, after=[ckpt1])["file"])
+    assert again["tokens_seen_total"] == meta["tokens_seen_total"] and again["phases"] == meta["phases"]
+
+
+def test_init_from_an_exported_adapter_file(tmp_path):
+    """--init-from the shipped adapter file: the trainable tensors come back (LoRA at its stored bf16), with the
+    phases recorded in its metadata; a file of another LoRA scale is refused."""
+    from training.train import init_state, latest_checkpoint, phases
+
+    exs = examples(8)
+    first = Trainer(cfg(tmp_path / "a", max_steps=3), tiny_model(), exs, MASK, PAD)
+    first.run(tmp_path / "a" / "run")
+    sd1 = torch.load(latest_checkpoint(tmp_path / "a" / "run"), weights_only=False)
+    ad = Path(export(tmp_path / "a" / "run", tmp_path / "ad.safetensors")["file"])
+    c = cfg(tmp_path / "b")
+    st = init_state(ad, c.alpha / c.rank)
+    assert set(st["trainable"]) == set(sd1["trainable"])
+    for n, t in sd1["trainable"].items():
+        want = t.to(torch.bfloat16).float() if ".lora_" in n else t.float()
+        assert torch.equal(st["trainable"][n], want), n
+    second = Trainer(c, tiny_model(), exs[:6], MASK, PAD)
+    second.load_weights(st)
+    assert second.prior_phases == phases(sd1)
+    with pytest.raises(ValueError, match="LoRA scale"):
+        init_state(ad, 2 * c.alpha / c.rank)
+

@@ -84,7 +84,7 @@ def cmd_throughput(a: argparse.Namespace) -> None:
 def cmd_export(a: argparse.Namespace) -> None:
     from .export import export, merge
 
-    print(export(a.run, a.out, checkpoint=a.checkpoint))
+    print(export(a.run, a.out, checkpoint=a.checkpoint, after=a.after))
     if a.merge_to is not None:
         print(f"merged checkpoint: {merge(a.out, a.base, a.merge_to, a.merge_dtype)}")
 
@@ -249,7 +249,8 @@ def parser() -> argparse.ArgumentParser:
     t.add_argument("--limit", type=int, default=None, help="use only the first N training examples")
     t.add_argument("--val-size", type=int, default=0, help="hold out N examples; their loss is logged at each checkpoint")
     t.add_argument("--init-from", type=Path, default=None,
-                   help="new run only: start from the adapter weights of this checkpoint (fresh optimiser/schedule)")
+                   help="new run only: start from the adapter weights of this checkpoint, or of an exported adapter file "
+                        "(.safetensors, e.g. the shipped one; LoRA read back from bf16); fresh optimiser/schedule")
     t.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     t.set_defaults(func=cmd_train)
 
@@ -276,6 +277,9 @@ def parser() -> argparse.ArgumentParser:
     e.add_argument("--run", type=Path, default=Path("runs/train"), help="run directory")
     e.add_argument("--checkpoint", type=Path, default=None, help="a specific checkpoint file (default: latest)")
     e.add_argument("--out", type=Path, default=ASSETS / "fastdllm_adapter.safetensors", help="adapter file")
+    e.add_argument("--after", type=Path, nargs="*", default=[],
+                   help="checkpoints of the earlier runs this one was --init-from'd from, earliest first, for "
+                        "checkpoints that do not record them: the adapter's tokens/seconds totals count them")
     e.add_argument("--merge-to", type=Path, default=None,
                    help="also write base + adapter merged as a Fast_dLLM_v2 checkpoint directory (model_type "
                         "Fast_dLLM_Qwen, Qwen2 names, bd_size, |<MASK>| in the tokenizer; --model DIR loads it)")

@@ -9,11 +9,15 @@ import torch
 from engine.loading import save_adapter
 
 from .lora import adapter_tensors
-from .train import latest_checkpoint
+from .train import latest_checkpoint, phase_summary, phases
 
 
-def export(run: Path, out: Path, checkpoint: Path | None = None) -> dict:
-    """Write LoRA A/B (bf16), trained norms and the mask-token row; returns the metadata written."""
+def export(run: Path, out: Path, checkpoint: Path | None = None, after: list[Path] | tuple = ()) -> dict:
+    """Write LoRA A/B (bf16), trained norms and the mask-token row; returns the metadata written.
+
+    The metadata's `*_total` and `phases` count every run that made the weights: the ones a checkpoint was
+    `--init-from`'d from (recorded by the trainer), or, for checkpoints that predate that record, the
+    checkpoints named in `after` (earliest first)."""
     ckpt = checkpoint or latest_checkpoint(run)
     if ckpt is None or not ckpt.exists():
         raise FileNotFoundError(f"no checkpoint in {run} (train first: python -m training train --run {run})")
@@ -27,6 +31,13 @@ def export(run: Path, out: Path, checkpoint: Path | None = None) -> dict:
         emb = read_state_dict(resolve_source(cfg["model"]).path)["model.embed_tokens.weight"].float().clone()
         emb[sd["mask_id"]:sd["mask_id"] + new_rows.shape[0]] = new_rows.float()
         sets["model.embed_tokens.weight"], new_rows = emb, None
+    earlier = list(sd.get("prior_phases", []))
+    if after:
+        if earlier:
+            raise ValueError(f"after: {ckpt} already records the runs it was initialised from; drop --after")
+        for p in after:
+            earlier += phases(torch.load(p, map_location="cpu", weights_only=False))
+    lineage = [*earlier, phase_summary(sd)]
     hist = sd["history"]
     head = [h["loss"] for h in hist[:10]]
     tail = [h["loss"] for h in hist[-10:]]
@@ -36,7 +47,9 @@ def export(run: Path, out: Path, checkpoint: Path | None = None) -> dict:
         "step": str(sd["step"]), "total_steps": str(sd["total_steps"]), "tokens_seen": str(sd["tokens_seen"]),
         "train_examples": str(sd["num_examples"]), "train_seconds": str(round(sd["elapsed"], 1)),
         "loss_first10": f"{sum(head) / max(len(head), 1):.4f}", "loss_last10": f"{sum(tail) / max(len(tail), 1):.4f}",
-        "checkpoint": ckpt.name,
+        "checkpoint": ckpt.name, "phases": json.dumps(lineage),
+        "tokens_seen_total": str(sum(p["tokens_seen"] for p in lineage)),
+        "train_seconds_total": str(round(sum(p["train_seconds"] for p in lineage), 1)),
     }
     save_adapter(out, lora=lora, sets=sets, new_embed_rows=new_rows, lora_scale=cfg["alpha"] / cfg["rank"], meta=meta)
     meta["file"] = str(out)

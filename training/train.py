@@ -104,6 +104,49 @@ def lr_factor(step: int, warmup: int, total: int, floor: float) -> float:
     return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * frac))
 
 
+def phase_summary(sd: dict) -> dict:
+    """What one run (phase) of a checkpoint did: its steps, tokens, training seconds and examples."""
+    return {"step": sd["step"], "tokens_seen": sd["tokens_seen"], "train_seconds": round(float(sd["elapsed"]), 1),
+            "examples": sd["num_examples"]}
+
+
+def phases(sd: dict) -> list[dict]:
+    """Every phase that made a checkpoint's weights, earliest first: the runs it was initialised from, then itself."""
+    return [*sd.get("prior_phases", []), phase_summary(sd)]
+
+
+def init_state(path: Path, lora_scale: float) -> dict:
+    """What `--init-from` reads: a checkpoint (full or slim), or an exported adapter file (the shipped
+    assets/fastdllm_adapter.safetensors), turned back into trainable tensors and the phases that made it."""
+    if path.suffix != ".safetensors":
+        return torch.load(path, map_location="cpu", weights_only=False)
+    from safetensors import safe_open
+
+    with safe_open(str(path), "pt") as f:
+        meta = f.metadata() or {}
+        raw = {k: f.get_tensor(k) for k in f.keys()}
+    if abs(float(meta.get("lora_scale", lora_scale)) - lora_scale) > 1e-6:
+        raise ValueError(f"init-from: {path} has LoRA scale {meta['lora_scale']}, this run alpha/rank = {lora_scale}")
+    trainable = {}
+    for k, t in raw.items():
+        kind, _, name = k.partition(".")
+        if kind in ("lora_A", "lora_B"):
+            trainable[name.removesuffix(".weight") + "." + kind] = t.float()
+        elif k == "extend.model.embed_tokens.weight":
+            trainable["model.embed_tokens.new"] = t.float()
+        elif kind == "set" and name != "model.embed_tokens.weight":
+            trainable[name] = t.float()
+        else:
+            raise ValueError(f"init-from: {path} holds {k}, which an adapter file cannot give back as trainable "
+                             "tensors; start from the run's checkpoint instead")
+    done = json.loads(meta["phases"]) if "phases" in meta else [
+        {"step": int(meta.get("step", 0)), "tokens_seen": int(meta.get("tokens_seen", 0)),
+         "train_seconds": float(meta.get("train_seconds", 0.0)), "examples": int(meta.get("train_examples", 0))}]
+    last = done[-1]
+    return {"trainable": trainable, "prior_phases": done[:-1], "step": last["step"],
+            "tokens_seen": last["tokens_seen"], "elapsed": last["train_seconds"], "num_examples": last["examples"]}
+
+
 class Trainer:
     """Owns the model's trainable part, the optimiser and the data position."""
 
@@ -133,6 +176,7 @@ class Trainer:
         self.loss_tokens = 0
         self.elapsed = 0.0  # training wall time over all processes of this run
         self.history: list[dict] = []
+        self.prior_phases: list[dict] = []  # the runs this one was initialised from (--init-from), earliest first
         self.exported_step: int | None = None
 
     # ------------------------------------------------------------------ data
@@ -232,7 +276,7 @@ class Trainer:
                         "python": random.getstate()},
                 "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(self.cfg).items()},
                 "total_steps": self.total_steps, "num_examples": len(self.examples),
-                "mask_id": self.mask_id, "base_vocab": self.base_vocab}
+                "mask_id": self.mask_id, "base_vocab": self.base_vocab, "prior_phases": self.prior_phases}
 
     def load_state_dict(self, sd: dict) -> None:
         if sd["num_examples"] != len(self.examples):
@@ -246,6 +290,7 @@ class Trainer:
         self.sched.load_state_dict(sd["scheduler"])
         self.step, self.tokens_seen, self.loss_tokens = sd["step"], sd["tokens_seen"], sd["loss_tokens"]
         self.elapsed, self.history = sd["elapsed"], list(sd["history"])
+        self.prior_phases = list(sd.get("prior_phases", []))
         self.noise_gen.set_state(sd["rng"]["noise"])
         torch.set_rng_state(sd["rng"]["torch"])
         random.setstate(sd["rng"]["python"])
@@ -258,6 +303,7 @@ class Trainer:
         with torch.no_grad():
             for n, t in sd["trainable"].items():
                 params[n].copy_(t)
+        self.prior_phases = phases(sd)
 
     def save(self, run: Path, keep: int = 2) -> Path:
         """Atomic write of ckpt-<step>.pt, then `latest` points at it; older ones beyond `keep` go."""
@@ -361,7 +407,7 @@ def train(cfg: TrainConfig) -> Trainer:
         print(f"resumed from {ckpt} at step {trainer.step}/{trainer.total_steps}")
     else:
         if cfg.init_from is not None:
-            trainer.load_weights(torch.load(cfg.init_from, map_location="cpu", weights_only=False))
+            trainer.load_weights(init_state(cfg.init_from, cfg.alpha / cfg.rank))
             print(f"initialised the adapter from {cfg.init_from}")
         print(f"new run {cfg.run}: {len(examples)} examples ({stats}), {trainer.total_steps} steps, "
               f"{sum(p.numel() for p in trainer.params):,} trainable parameters")
