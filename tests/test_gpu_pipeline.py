@@ -52,6 +52,13 @@ def block(tmp_path_factory):
     train = ["--data", str(dev / "data"), "--run", str(dev / "train"), "--minutes", "5"]
     main(["gpu", "train", "--out", str(root / "out4"), *train, "--", "--max-steps", "2", *TOY_TRAIN])
     main(["gpu", "train", "--out", str(root / "out5"), *train, "--", "--max-steps", "3", *TOY_TRAIN])
+    # block 2's shape: a new data directory seeded with the shards made so far, new Magpie rounds (--seed 1)...
+    main(["gpu", "data", "--out", str(root / "out6"), *data[2:], "--dir", str(dev / "data2"),
+          "--seed-from", str(dev / "data"), "--seed", "1"])
+    logs["data6"] = json.loads((dev / "data2" / "manifest.json").read_text())
+    # ...and a phase initialised from the previous run's directory
+    main(["gpu", "train", "--out", str(root / "out7"), "--data", str(dev / "data2"), "--run", str(dev / "p2"),
+          "--minutes", "5", "--", "--max-steps", "1", *TOY_TRAIN, "--init-from", str(dev / "train")])
     for n in range(1, 6):
         main(["gpu", "unpack", str(root / f"out{n}"), "--data", str(here / "data"), "--run", str(here / "train")])
     return {"root": root, "dev": dev, "here": here, "logs": logs, "prompts": rows}
@@ -129,7 +136,8 @@ def test_runbook_table_is_the_plan():
         row = next(line for line in readme.splitlines() if line.startswith(f"| {n} | "))
         assert f"`P {c['command'][len(gpu.PREFIX):]}`" in row and f"| {c['timeout_s']} |" in row, n
         assert all(f"`{path}`" in row for path in c["carry"]), n
-    assert sum(gpu.BENCH_SLOT in c["command"] for c in calls) == 2
+    assert sum(gpu.CHECK_SLOT in c["command"] for c in calls) == 1
+    assert sum(len(c["command"]) for c in calls[-3:]) < 6000 and gpu.SEED_DATA in calls[2]["command"]
 
 
 def test_collect_splits_big_files_and_enforces_out_limits(tmp_path):
@@ -197,6 +205,26 @@ def test_data_out_files_unpack_to_the_same_examples(block):
     key = lambda e: (e.prompt_len, tuple(e.ids))  # noqa: E731
     assert sorted(map(key, dev)) == sorted(map(key, here))
     assert (block["here"] / "data" / "magpie.jsonl").read_text() == (block["dev"] / "data" / "magpie.jsonl").read_text()
+
+
+def test_seeded_data_answers_only_new_prompts_and_sends_only_them(block):
+    """--seed-from: the shards made before count as answered and stay here; new Magpie rounds get answered."""
+    old_keys = {k for p in (block["dev"] / "data").glob("shard-*.npz") for k in Shard.load(p).keys.tolist()}
+    run = block["logs"]["data6"]["runs"][-1]
+    assert run["magpie"]["drawn"] == 4 and run["answers"]["todo"] == run["answers"]["answered"] >= 1
+    sent = [p for p in (block["root"] / "out6").glob("shard-*.npz")]
+    new_keys = {k for p in sent for k in Shard.load(p).keys.tolist()}
+    assert len(new_keys) == run["answers"]["answered"] and not (new_keys & old_keys)
+    assert block["logs"]["data6"]["examples"] == len(old_keys) + len(new_keys)
+
+
+def test_phase_from_a_run_directory_records_its_lineage(block):
+    from training.train import latest_checkpoint
+
+    sd = torch.load(latest_checkpoint(block["dev"] / "p2"), weights_only=False)
+    assert [p["step"] for p in sd["prior_phases"]] == [3] and sd["step"] == 1
+    slim = torch.load(block["root"] / "out7" / gpu.SLIM, weights_only=False)  # what comes back keeps it
+    assert slim["prior_phases"] == sd["prior_phases"]
 
 
 # ------------------------------------------------------------------------------------------ train, export

@@ -152,7 +152,7 @@ def cmd_gpu(a: argparse.Namespace) -> None:
         rep = gpu.stage_weights(a.out, a.parts_dir)
     elif a.stage == "data":
         _threads(a.threads)
-        rep = gpu.stage_data(a.out, _selfinstruct_config(a, a.dir))
+        rep = gpu.stage_data(a.out, _selfinstruct_config(a, a.dir), seed_from=a.seed_from)
     elif a.stage == "train":
         extra = a.trainer_args[1:] if a.trainer_args[:1] == ["--"] else a.trainer_args
         rep = gpu.stage_train(a.out, a.data, a.run, a.minutes, extra)
@@ -249,7 +249,7 @@ def parser() -> argparse.ArgumentParser:
     t.add_argument("--limit", type=int, default=None, help="use only the first N training examples")
     t.add_argument("--val-size", type=int, default=0, help="hold out N examples; their loss is logged at each checkpoint")
     t.add_argument("--init-from", type=Path, default=None,
-                   help="new run only: start from the adapter weights of this checkpoint, or of an exported adapter file "
+                   help="new run only: start from the adapter weights of this checkpoint (or a run directory's latest), or of an exported adapter file "
                         "(.safetensors, e.g. the shipped one; LoRA read back from bf16); fresh optimiser/schedule")
     t.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     t.set_defaults(func=cmd_train)
@@ -341,6 +341,9 @@ def parser() -> argparse.ArgumentParser:
     gd = gs.add_parser("data", formatter_class=fmt, help="device: selfinstruct, then this command's shards to $OUT")
     gd.add_argument("--out", type=Path, required=True, help="$OUT")
     gd.add_argument("--dir", type=Path, default=Path("runs/gpu/data"), help="data directory on the device")
+    gd.add_argument("--seed-from", type=Path, default=None,
+                    help="shards already made (training/data/selfinstruct): copied in first, their prompts count as "
+                         "answered and they are not sent back; use a new --seed for new Magpie rounds")
     _add_selfinstruct_options(gd)
     gt = gs.add_parser("train", formatter_class=fmt,
                        help="device: `training train` for --minutes (resumes), then a slim checkpoint + log to $OUT")

@@ -35,11 +35,19 @@ SLIM = "ckpt-slim.pt"
 # device README's wheel install; the bench slot is a trailing comment where issue 11's commands go.
 PREFIX = ("python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "
           ".whl/*.whl && export PYTHONPATH=/tmp/site || exit; export PYTHONUNBUFFERED=1; ")
-BENCH_SLOT = "# ISSUE-11 BENCH SLOT: engine CUDA tests + roofline on random weights here (<= 2 min, <= 7 files in $OUT)"
-DATA_ARGS = "--magpie 30000 --magpie-batch 1024 --batch-size 512 --max-new-tokens 256 --time-budget 360 --threads 8"
-TRAIN_ARGS = ("--batch-size 64 --max-len 512 --rank 32 --alpha 64 --lr 3e-4 --warmup-steps 50 --epochs 6 "
-              "--save-every-s 120 --threads 8")
-TRAIN_MINUTES = (7, 6)
+# Call 1's check: the CUDA tests (toy and random-weight models, no real weights needed), log back in $OUT.
+CHECK_SLOT = ("timeout 200 python3 -m pytest -m cuda tests/test_cuda.py -q -p no:cacheprovider >$OUT/cuda_tests.log 2>&1;"
+              " tail -3 $OUT/cuda_tests.log")
+# Block 2 onwards (block 1's data is committed): new data is generated while phase p3 trains on the committed
+# set from the shipped adapter; p4 then trains on everything from p3. Logs of the side process stay in /tmp.
+SEED_DATA = "training/data/selfinstruct"
+DATA_ARGS = (f"--seed-from {SEED_DATA} --seed 1 --magpie 30000 --magpie-batch 1024 --batch-size 512 "
+             "--max-new-tokens 256 --time-budget 400 --threads 6")
+TRAIN_ARGS = "--batch-size 64 --max-len 512 --rank 32 --alpha 64 --lr 2e-4 --warmup-steps 20 --save-every-s 120 --threads 6"
+P3 = (f"python3 -m training gpu train --out $OUT/train --data {SEED_DATA} --run runs/gpu/p3 --minutes 6 -- "
+      f"{TRAIN_ARGS} --epochs 2 --init-from assets/fastdllm_adapter.safetensors")
+P4_EPOCHS = 2  # set from call 3's manifest: ~1,400 steps of 64 fit calls 4-5, so epochs ~ 90,000 / examples
+P4_MINUTES = (7, 6)
 FINGERPRINT_FILE = Path(__file__).resolve().parent / "data" / "base_fingerprint.json"
 FINGERPRINT_PROMPT = "Name three colors."
 
@@ -126,14 +134,19 @@ def plan(part_names: list[str]) -> list[dict]:
     rel = lambda p: str(p.relative_to(REPO))  # noqa: E731
     calls = []
     for k, name in enumerate(part_names):
-        last = k == len(part_names) - 1
-        cmd = PREFIX + "python3 -m training gpu weights --out $OUT"
-        cmd += f" && python3 -m training gpu data --out $OUT {DATA_ARGS}" if last else f"; {BENCH_SLOT}"
+        first, last = k == 0, k == len(part_names) - 1
+        cmd = PREFIX + "python3 -m training gpu weights --out " + ("/tmp/w && cat /tmp/w/weights.json" if last else "$OUT")
+        if first:
+            cmd += f"; {CHECK_SLOT}"
+        if last:  # data on the side while p3 trains; weights.json stays out of $OUT (8 files: 3 data + 5 train)
+            cmd += (f" && {{ python3 -m training gpu data --out $OUT/data {DATA_ARGS} >/tmp/data.log 2>&1 & {P3}; "
+                    "wait; tail -c 1500 /tmp/data.log; }")
         calls.append({"carry": [rel(WHEELS_DIR), rel(PARTS_DIR / "parts.json"), rel(PARTS_DIR / name)],
-                      "command": cmd, "timeout_s": 540 if last else 300})
-    for minutes in TRAIN_MINUTES:
+                      "command": cmd, "timeout_s": 560 if last else 300})
+    for minutes in P4_MINUTES:
         calls.append({"carry": [rel(WHEELS_DIR)], "timeout_s": 60 * minutes + 120,
-                      "command": PREFIX + f"python3 -m training gpu train --out $OUT --minutes {minutes} -- {TRAIN_ARGS}"})
+                      "command": PREFIX + f"python3 -m training gpu train --out $OUT --run runs/gpu/p4 --minutes {minutes}"
+                                 f" -- {TRAIN_ARGS} --epochs {P4_EPOCHS} --init-from runs/gpu/p3"})
     return calls
 
 
@@ -209,15 +222,25 @@ def stage_weights(out: Path, parts_dir: Path = PARTS_DIR) -> dict:
     return rep
 
 
-def stage_data(out: Path, cfg, parts_dir: Path = PARTS_DIR) -> dict:
+def stage_data(out: Path, cfg, parts_dir: Path = PARTS_DIR, seed_from: Path | None = None) -> dict:
     """Self-instruct data (resumable), then to $OUT: the manifest, the Magpie rounds and the shards not sent
-    yet, merged into packs (each a valid shard) as far as the file limits allow; the rest go next time."""
+    yet, merged into packs (each a valid shard) as far as the file limits allow; the rest go next time.
+
+    `seed_from` (the repo's committed shards): copied in first and counted as sent, so their prompts are not
+    answered again and only new answers come back."""
     from .selfinstruct import run, shard_paths
 
     require_base(parts_dir)
-    manifest = run(cfg)
     sent_file = cfg.out / "sent.json"  # shards already handed back by an earlier command on this machine
     sent = set(json.loads(sent_file.read_text())) if sent_file.exists() else set()
+    if seed_from is not None:
+        cfg.out.mkdir(parents=True, exist_ok=True)
+        for p in shard_paths(seed_from):
+            if not (cfg.out / p.name).exists():
+                shutil.copy2(p, cfg.out / p.name)
+            sent.add(p.name)
+        sent_file.write_text(json.dumps(sorted(sent)))
+    manifest = run(cfg)
     stage = cfg.out / ".out"
     shutil.rmtree(stage, ignore_errors=True)
     stage.mkdir()

@@ -118,6 +118,11 @@ def phases(sd: dict) -> list[dict]:
 def init_state(path: Path, lora_scale: float) -> dict:
     """What `--init-from` reads: a checkpoint (full or slim), or an exported adapter file (the shipped
     assets/fastdllm_adapter.safetensors), turned back into trainable tensors and the phases that made it."""
+    if path.is_dir():  # a run directory: its latest checkpoint
+        ckpt = latest_checkpoint(path)
+        if ckpt is None:
+            raise FileNotFoundError(f"init-from: no checkpoint in {path}")
+        path = ckpt
     if path.suffix != ".safetensors":
         return torch.load(path, map_location="cpu", weights_only=False)
     from safetensors import safe_open
