@@ -288,3 +288,15 @@ def test_merged_export_in_bfloat16_keeps_the_bf16_weights(tmp_path):
     with pytest.raises(ValueError, match="merge_dtype"):
         fast_dllm_format.write(model, load_tokenizer(bundled_base_dir(), add_mask_token=True), tmp_path, "int8")
     shutil.rmtree(tmp_path)
+
+
+def test_magpie_rounds_with_unicode_line_separators_are_read_back(tmp_path):
+    """Samples are written unescaped; U+2028/U+2029 inside one must not cut its line (the round would be lost
+    and drawn again, as happened on the H100)."""
+    from training.selfinstruct import read_rounds
+
+    rounds = [{"round": 0, "seed": 0, "samples": [{"text": "a\u2028b\u2029c", "stopped": True}]},
+              {"round": 1, "seed": 1, "samples": [{"text": "plain", "stopped": True}]}]
+    path = tmp_path / "magpie.jsonl"
+    path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rounds) + '{"round": 2, "cut')
+    assert read_rounds(path) == rounds  # the line cut by a kill is still ignored

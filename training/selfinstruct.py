@@ -93,7 +93,11 @@ def read_rounds(path: Path) -> list[dict]:
     if not path.exists():
         return []
     rounds = []
-    for line in path.read_text().splitlines():
+    # split on "\n" only: str.splitlines() also splits at U+2028/U+2029, which Magpie samples contain (written
+    # unescaped), and lost those rounds (redrawn on the next run: block 1 drew 2,048 samples twice)
+    for line in path.read_text().split("\n"):
+        if not line.strip():
+            continue
         try:
             rounds.append(json.loads(line))
         except json.JSONDecodeError:
