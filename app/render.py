@@ -98,7 +98,8 @@ def banner_html(lm: Any, can_diffuse: bool, title: str = "", measured: Measured 
                 f'decodes <b>{tpf:.2f} tokens per forward</b> and keeps <b>{_pct(acc / measured.ar_accuracy)} of its '
                 f'AR base\'s accuracy</b> at threshold {threshold:g} ({acc:.3f} vs {measured.ar_accuracy:.3f} on '
                 f'{esc(measured.set.split(" (")[0])}; model card). It shows the mechanics, not the paper\'s '
-                'speed-ups: at ~1 token per forward, diffusion is slower than AR here.</div>')
+                f'speed-ups: at {tpf:.2f} tokens per forward diffusion is still slower than AR on a CPU, where a '
+                'block-diffusion forward costs several AR steps (model card).</div>')
     elif lm.source.adapter:
         note = ('<div class="fd-honest" id="fd-honest">This adapter has no measurements in '
                 '<code>assets/MODEL_CARD.md</code>: run <code>python -m bench quality</code> to measure it.</div>')
