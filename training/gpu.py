@@ -32,7 +32,7 @@ OUT_FILES, OUT_FILE_BYTES, OUT_BYTES = 8, 16 * MIB, 64 * MIB  # what $OUT may ha
 SPLIT_BYTES = 15 * MIB  # part size for files too big for one $OUT file (a little under the limit)
 SLIM = "ckpt-slim.pt"
 # The block's device commands (training/README.md's table; a test keeps the two equal). Each starts with the
-# device README's wheel install; the bench slot is a trailing comment where issue 11's commands go.
+# device README's wheel install.
 PREFIX = ("python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "
           ".whl/*.whl && export PYTHONPATH=/tmp/site || exit; export PYTHONUNBUFFERED=1; ")
 # Call 1's check: the CUDA tests (toy and random-weight models, no real weights needed), log back in $OUT.
