@@ -50,6 +50,12 @@ class Engine:
                                                       quantum=256 if self.lm.device.type == "cuda" else 32)
         return self._steppers[id(model)]
 
+    def graphs_report(self) -> dict:
+        """CUDA graphs the static steps captured so far, and why capture failed if it did (for run reports)."""
+        steppers = list(self._steppers.values())
+        return {"static": self.static, "captured": sum(s.captured for s in steppers),
+                "error": next((s.graph_error for s in steppers if s.graph_error), None)}
+
     @property
     def max_context(self) -> int:
         return self.lm.cfg.max_position_embeddings

@@ -157,8 +157,10 @@ def test_static_cache_growth_recaptures(device, engines, toy):
         assert a == b
     steppers = list(static._steppers.values())
     assert max(s.capacity for s in steppers) > 256, "the long prompt did not grow the static cache"
+    report = static.graphs_report()
+    assert report["static"] and report["captured"] == sum(s.captured for s in steppers)
     if device == "cuda":
-        assert [s.graph_error for s in steppers if s.graph_error] == []
+        assert [s.graph_error for s in steppers if s.graph_error] == [] and report["error"] is None
         assert all(s.shapes and all(sh.graph is not None for sh in s.shapes.values()) for s in steppers if s.capacity > 256)
 
 

@@ -191,6 +191,7 @@ def test_selfinstruct_resumes_and_is_idempotent(block):
     assert r1["magpie"]["drawn"] == 4 and r2["magpie"]["drawn"] == 0 and r3["magpie"]["drawn"] == 0
     assert r2["answers"]["todo"] == 2 and r2["answers"]["answered"] == 2  # only the 2 prompts added by --limit-prompts
     assert r3["answers"]["todo"] == 0 and r3["new_shards"] == []
+    assert r1["answers"]["cuda_graphs"]["error"] is None  # recorded for the GPU runs (static off on a CPU)
     assert block["logs"]["data3"]["examples"] == block["logs"]["data2"]["examples"]
 
 
@@ -233,6 +234,7 @@ def test_train_stage_resumes_and_returns_a_slim_checkpoint(block):
     s5 = json.loads((block["root"] / "out5" / "train.json").read_text())
     assert (s4["step"], s4["steps_this_command"]) == (2, 2) and (s5["step"], s5["steps_this_command"]) == (3, 1)
     assert s4["answer_tokens_per_s"] > 0 and s4["model_tokens_per_s"] > s4["answer_tokens_per_s"]
+    assert "gpu_peak_memory_gib" in s4 and (s4["gpu_peak_memory_gib"] is None) == (not torch.cuda.is_available())
     slim = torch.load(block["here"] / "train" / gpu.SLIM, weights_only=False)
     assert slim["step"] == 3 and "optimizer" not in slim
     assert all(t.dtype == torch.float16 for t in slim["trainable"].values())

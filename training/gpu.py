@@ -322,7 +322,10 @@ def stage_train(out: Path, data: Path, run: Path, minutes: float, trainer_args: 
     if ckpt is None:
         raise RuntimeError(f"train: no checkpoint in {run} after training")
     last = steps[-1] if steps else {}
-    summary = {"device": device_info(), "steps_this_command": len(steps), "step": last.get("step"),
+    # the peak the next block's plans need (two trainers beside the data generator, bigger batches)
+    peak = round(torch.cuda.max_memory_allocated() / 2**30, 2) if torch.cuda.is_available() else None
+    summary = {"device": device_info(), "gpu_peak_memory_gib": peak, "steps_this_command": len(steps),
+               "step": last.get("step"),
                "loss_last": last.get("loss"), "tokens_seen": last.get("tokens_seen"), **rates(steps),
                "wall_s": round(wall, 1), "checkpoint": ckpt.name}
     stage = run / ".out"

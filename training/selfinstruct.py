@@ -285,7 +285,8 @@ def answer(engine, cfg: SelfInstructConfig, prompts: list[tuple[str, str]], dead
     flush()
     dt = time.perf_counter() - t0
     return {"todo": len(todo), "answered": written, "answer_tokens": tokens, "seconds": round(dt, 2),
-            "tokens_per_second": round(tokens / dt, 1) if dt > 0 else 0.0, "shards": shards}
+            "tokens_per_second": round(tokens / dt, 1) if dt > 0 else 0.0, "shards": shards,
+            "cuda_graphs": engine.graphs_report()}  # block 1 generated without them (a capture bug, fixed since)
 
 
 # ------------------------------------------------------------------------------------------ manifest
