@@ -4,7 +4,10 @@ Every cached decode forward has one of three widths: 1 (the AR step), sub_block 
 sub-block step: the sub-block and the token before it), or block (block-cache step, dual refresh, commit).
 A step's window is padded to its width and its logit rows to a power of two, so each (rows, width, logit
 rows) is one fixed shape: on CUDA it is captured once as a graph and replayed (one launch instead of ~400
-small kernels); on CPU the same code runs eagerly. What differs from CausalLM.forward, and why:
+small kernels); on CPU the same code runs eagerly. Batches of more than EXACT_ROWS rows are padded to a row
+bucket (`row_bucket`): a 512-row batch whose rows finish one by one would otherwise need a graph for nearly
+every row count (a capture costs about two eager steps); with buckets it needs at most 18 per width.
+What differs from CausalLM.forward, and why:
   * K/V are scattered to per-row write positions; pad slots write to a trash slot past every row's end,
     so padding never changes what later steps read;
   * attention reads the cache's whole capacity with a per-row key-length mask (key < end), so the shapes
@@ -23,6 +26,17 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .model import CausalLM, KVCache
+
+
+EXACT_ROWS = 8  # up to here each row count gets its own shape (studio, serve: few rows, no padded work)
+
+
+def row_bucket(rows: int) -> int:
+    """The row count a step of `rows` live rows runs at: exact up to EXACT_ROWS, then the next power of two up
+    to 64, then the next multiple of 64 (pad rows cost little on a GPU; each distinct count costs a capture)."""
+    if rows <= EXACT_ROWS:
+        return rows
+    return 1 << (rows - 1).bit_length() if rows <= 64 else -(-rows // 64) * 64
 
 
 def wanted(device: torch.device) -> bool:
@@ -111,8 +125,9 @@ class StaticStepper:
     def new_cache(self, batch: int, max_len: int) -> StaticKVCache:
         """A cache for `batch` rows of `max_len` positions; storage is reused while it is big enough."""
         need = -(-(max_len + 1) // self.quantum) * self.quantum  # +1: the trash slot
-        if batch > self.rows or need > self.capacity:
-            self.rows, self.capacity = max(batch, self.rows), max(need, self.capacity)
+        rows = row_bucket(batch)  # room for the pad rows of its step shapes
+        if rows > self.rows or need > self.capacity:
+            self.rows, self.capacity = max(rows, self.rows), max(need, self.capacity)
             cfg = self.model.cfg
             shape = (cfg.num_hidden_layers, self.rows, cfg.num_key_value_heads, self.capacity, cfg.head_dim)
             self.shapes.clear()  # graphs point into the old storage
@@ -137,20 +152,27 @@ class StaticStepper:
         n = logits_idx.shape[1]
         if w > width:
             raise ValueError(f"width: the window has {w} tokens, more than the step width {width}")
-        key = (b, width, min(width, 1 << (n - 1).bit_length()))
+        rows = row_bucket(b)  # new_cache made room for it
+        key = (rows, width, min(width, 1 << (n - 1).bit_length()))
         s = self.shapes.get(key)
         if s is None:
             s = self.shapes[key] = self._alloc(*key)
-        s.ids[:, :w].copy_(ids)
-        s.pos[:, :w].copy_(pos)
-        s.write[:, :w].copy_(pos)
+        s.ids[:b, :w].copy_(ids)
+        s.pos[:b, :w].copy_(pos)
+        s.write[:b, :w].copy_(pos)
         if w < width:  # pads: token 0 at the last real position, K/V to the trash slot, output unused
-            s.ids[:, w:] = 0
-            s.pos[:, w:] = pos[:, -1:]
-            s.write[:, w:] = self.capacity - 1
-        s.ends.copy_(torch.tensor(ends, dtype=torch.long))
+            s.ids[:b, w:] = 0
+            s.pos[:b, w:] = pos[:, -1:]
+            s.write[:b, w:] = self.capacity - 1
+        if rows > b:  # pad rows (storage rows past the live ones): K/V to the trash slot, one visible key
+            s.ids[b:] = 0
+            s.pos[b:] = 0
+            s.write[b:] = self.capacity - 1
+        s.ends.copy_(torch.tensor(ends + [1] * (rows - b), dtype=torch.long))
         s.idx.zero_()
-        s.idx[:, :n].copy_(logits_idx)
+        s.idx[:b, :n].copy_(logits_idx)
+        if rows > b:  # the same storage, `rows` rows wide: every row's work stays in its row
+            cache = StaticKVCache(cache.store_k, cache.store_v, rows)
         if s.graph is None and self.graphs:
             try:
                 self._capture(s, cache)
@@ -158,9 +180,9 @@ class StaticStepper:
                 self.graphs, self.graph_error, s.graph = False, f"{type(exc).__name__}: {exc}"[:500], None
                 warnings.warn(f"CUDA graph capture failed; static steps run uncaptured: {self.graph_error}")
         if s.graph is None:
-            return static_forward(self.model, self.cos, self.sin, self.keys, cache, s)[:, :n]
+            return static_forward(self.model, self.cos, self.sin, self.keys, cache, s)[:b, :n]
         s.graph.replay()
-        return s.out[:, :n]
+        return s.out[:b, :n]
 
     def _alloc(self, b: int, width: int, n: int) -> _Shape:
         z = lambda *shape: torch.zeros(shape, dtype=torch.long, device=self.device)  # noqa: E731

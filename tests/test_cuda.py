@@ -199,3 +199,24 @@ def test_gpu_bench_smoke_runs_every_section(tmp_path, capsys):
     assert r["engine"]["batches"]["2"]["ar_static"]["tokens"] == 2 * 8
     assert r["bundled"]["same_tokens_static_vs_eager"] == {"ar": 1, "diffusion": 1}
     assert len(list(tmp_path.iterdir())) <= 8, "the device tool brings back at most 8 files"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_big_batches_run_at_row_buckets_with_the_same_answers(device, engines, toy):
+    """More than EXACT_ROWS rows: the static steps pad the batch to a row bucket (few graphs for a big batch
+    whose rows finish one by one) and every live row decodes what the eager forward decodes."""
+    from engine.static import EXACT_ROWS, row_bucket
+
+    assert [row_bucket(n) for n in (1, 8, 9, 17, 64, 65, 500)] == [1, 8, 16, 32, 64, 128, 512]
+    eager, static = engines(device, False), engines(device, True)
+    stop = {"stop_token_ids": (2**31 - 1,)} if source_for(device, toy) else {}
+    prompts = [f"Question {i}: " + "name a colour " * (i % 4) for i in range(EXACT_ROWS + 4)]
+    for mode in ("ar", "diffusion"):
+        cfg = eager.decode_config(mode=mode, max_new_tokens=24, **stop)
+        a = [r.summary.token_ids for r in eager.generate(prompts, cfg, record=False)]
+        b = [r.summary.token_ids for r in static.generate(prompts, cfg, record=False)]
+        assert a == b, mode
+    rows = {key[0] for s in static._steppers.values() for key in s.shapes}
+    assert row_bucket(len(prompts)) in rows and all(r <= EXACT_ROWS or r == row_bucket(r) for r in rows)
+    if device == "cuda":
+        assert static.graphs_report()["error"] is None

@@ -97,3 +97,19 @@ def test_static_path_on_the_block_grid(tiny_fast_dllm, prompt_len, block, sub, c
     b = [r.summary for r in static.generate_ids(ids, cfg, record=False)]
     assert [s.token_ids for s in b] == [s.token_ids for s in a]
     assert [s.nfe for s in b] == [s.nfe for s in a] and all(s.answer_tokens == 37 for s in b)
+
+
+def test_big_batches_pad_to_row_buckets_and_keep_every_answer(engine, static_engine):
+    """12 rows of the bundled model that finish at different forwards: steps run at 16 rows while more than
+    EXACT_ROWS are live (pad rows write only the trash slot), then at the exact count; every answer is the
+    eager path's."""
+    from engine.static import EXACT_ROWS, row_bucket
+
+    prompts = [f"Name {n} colors, one per line." for n in range(2, 2 + EXACT_ROWS + 4)]
+    cfg = engine.decode_config(mode="ar", max_new_tokens=32)
+    eager = [r.summary.token_ids for r in engine.generate(prompts, cfg, record=False)]
+    static = [r.summary.token_ids for r in static_engine.generate(prompts, cfg, record=False)]
+    assert static == eager
+    assert len({len(t) for t in eager}) > 1, "rows must finish at different forwards"
+    rows = {r for (r, _, _) in static_engine.stepper(static_engine.lm.base).shapes}
+    assert row_bucket(len(prompts)) == 16 and 16 in rows and not any(EXACT_ROWS < r < 16 for r in rows)
