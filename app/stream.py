@@ -16,6 +16,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from engine import DecodeConfig, Engine, Event, Result
@@ -87,6 +88,17 @@ def release(key: str, ev: threading.Event) -> None:
     with _cancels_lock:
         if _cancels.get(key) is ev:
             del _cancels[key]
+
+
+@contextmanager
+def stop_scope(key: str) -> Iterator[threading.Event]:
+    """One stop flag for a handler that runs several decodes (race, sweep): a Stop that lands between two runs
+    stops the next one instead of finding no flag and being lost."""
+    ev = cancel_event(key)
+    try:
+        yield ev
+    finally:
+        release(key, ev)
 
 
 @_gpu

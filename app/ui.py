@@ -20,7 +20,7 @@ from .api import SLOTS, engine_slots, error
 from .card import measured_for
 from .settings import BLOCK_SIZES, INFO, MAX_NEW_TOKENS, MAX_REPEATS, PRESETS, SETTING_KEYS, SWEEP_THRESHOLDS, \
     check_repeats, defaults, divisors, fit_sub_block, settings_from_widgets
-from .stream import cancel_event, release, request_stop
+from .stream import cancel_event, release, request_stop, stop_scope
 from .studio import Prepared, Studio
 from .traces import MAX_TRACE_BYTES, TraceError, parse_trace, trace_label
 
@@ -287,12 +287,14 @@ def build(studio: Studio, slots: int = SLOTS) -> gr.Blocks:
                     None, [strategy, threshold, mode], **private)
 
         # ------------------------------------------------------------------ streaming one decode into a live view
-        def live_run(prep: Prepared, key: str, view: gr.HTML, first: dict | None = None, extra=None):
+        def live_run(prep: Prepared, key: str, view: gr.HTML, first: dict | None = None, extra=None,
+                     scoped: bool = False):
             """Yield output dicts while decoding (the live view gets only new events); return (result, last frame).
 
-            `first` joins the first frame; `extra(events)` adds outputs to each frame (the chat bubble).
+            `first` joins the first frame; `extra(events)` adds outputs to each frame (the chat bubble);
+            `scoped`: the caller holds a stop_scope for the key (several runs, one Stop), so no flag of its own.
             """
-            flag = cancel_event(key)
+            flag = None if scoped else cancel_event(key)
             run, seq, frame, result = LIVE_RUNS.start(), 0, 0, None
             out = {**(first or {}), **(extra([]) if extra else {}),
                    view: render.live_payload(run, 0, [], header=studio.header(prep))}
@@ -313,7 +315,8 @@ def build(studio: Studio, slots: int = SLOTS) -> gr.Blocks:
             except Exception as e:  # an engine failure: say so; the conversation is kept
                 raise gr.Error(f"decoding failed: {e}") from e
             finally:
-                release(key, flag)
+                if flag is not None:
+                    release(key, flag)
             assert result is not None and result.trace is not None
             return result, render.live_payload(run, seq, [], summary=result.summary, frame=frame + 1)
 
@@ -420,34 +423,37 @@ def build(studio: Studio, slots: int = SLOTS) -> gr.Blocks:
                 raise error(e) from None
             runs: dict[str, list[Result]] = {"diffusion": [], "ar": []}
             views = {"diffusion": race_d, "ar": race_ar}
-            yield {race_btn: gr.update(interactive=False), race_d: render.live_clear(message="Starting…"),
-                   race_ar: render.live_clear(message="Runs after each diffusion run."),
-                   race_meters: render.race_html([], [], f"Run 1/{reps}: Fast-dLLM v2…")}
-            stopped = False
-            for n in range(reps):
-                for prep in preps:
-                    mode = prep.cfg.mode
-                    result, last = yield from live_run(prep, run_key(request, "race"), views[mode])
-                    runs[mode].append(result)
-                    stopped = result.summary.stop_reason == render.STOPPED
-                    if stopped:
-                        status = f"Stopped during {'the diffusion' if mode == 'diffusion' else 'the AR'} run {n + 1}."
-                    elif mode == "diffusion":
-                        status = f"Run {n + 1}/{reps}: AR baseline…"
-                    elif n + 1 < reps:
-                        status = f"Run {n + 2}/{reps}: Fast-dLLM v2…"
-                    else:
-                        status = f"Done: {reps} interleaved run(s) each."
-                    out = {views[mode]: last, race_meters: render.race_html(
-                        [r.summary for r in runs["diffusion"]], [r.summary for r in runs["ar"]], status)}
-                    if stopped and mode == "diffusion" and not runs["ar"]:
-                        out[race_ar] = render.live_clear(message="Not run: the race was stopped during the "
-                                                                 "diffusion run.")
-                    yield out
+            # one stop flag for all the runs, made before the first frame: a Stop between two runs is kept
+            with stop_scope(run_key(request, "race")):
+                yield {race_btn: gr.update(interactive=False), race_d: render.live_clear(message="Starting…"),
+                       race_ar: render.live_clear(message="Runs after each diffusion run."),
+                       race_meters: render.race_html([], [], f"Run 1/{reps}: Fast-dLLM v2…")}
+                stopped = False
+                for n in range(reps):
+                    for prep in preps:
+                        mode = prep.cfg.mode
+                        result, last = yield from live_run(prep, run_key(request, "race"), views[mode], scoped=True)
+                        runs[mode].append(result)
+                        stopped = result.summary.stop_reason == render.STOPPED
+                        if stopped:
+                            which = "the diffusion" if mode == "diffusion" else "the AR"
+                            status = f"Stopped during {which} run {n + 1}."
+                        elif mode == "diffusion":
+                            status = f"Run {n + 1}/{reps}: AR baseline…"
+                        elif n + 1 < reps:
+                            status = f"Run {n + 2}/{reps}: Fast-dLLM v2…"
+                        else:
+                            status = f"Done: {reps} interleaved run(s) each."
+                        out = {views[mode]: last, race_meters: render.race_html(
+                            [r.summary for r in runs["diffusion"]], [r.summary for r in runs["ar"]], status)}
+                        if stopped and mode == "diffusion" and not runs["ar"]:
+                            out[race_ar] = render.live_clear(message="Not run: the race was stopped during the "
+                                                                     "diffusion run.")
+                        yield out
+                        if stopped:
+                            break
                     if stopped:
                         break
-                if stopped:
-                    break
             new_trs = trs
             for r in (x for pair in zip(runs["diffusion"], runs["ar"] + [None]) for x in pair if x is not None):
                 new_trs = _entry(r.trace, new_trs, "race · ", _key(preps[0]))
@@ -465,32 +471,32 @@ def build(studio: Studio, slots: int = SLOTS) -> gr.Blocks:
                 raise error(e) from None
             key, rows = run_key(request, "sweep"), []
             total = len(plan) * reps
-            yield {sweep_btn: gr.update(interactive=False, value=f"Running 0/{total}…"),
-                   sweep_stop: gr.update(interactive=True), sweep_status: ""}
-            for i, prep in enumerate(plan):
-                results: list[Result] = []
-                for k in range(reps):
-                    flag, res = cancel_event(key), None
-                    try:
-                        with closing(studio.steps(prep, key)) as steps:
-                            for x in steps:
-                                if isinstance(x, Result):
-                                    res = x
-                                else:  # an empty frame: a closed tab ends the generator here, within one forward
-                                    yield gr.skip()
-                    except Exception as e:
-                        raise gr.Error(f"decoding failed: {e}") from e
-                    finally:
-                        release(key, flag)
-                    assert res is not None
-                    if res.summary.stop_reason == render.STOPPED:
-                        yield {sweep_status: f'<div class="fd-stopped-note">Stopped after {len(rows)} of '
-                                             f'{len(plan)} points: the plot shows the finished ones.</div>'}
-                        return
-                    results.append(res)
-                    yield {sweep_btn: gr.update(value=f"Running {i * reps + k + 1}/{total}…")}
-                rows.append(studio.sweep_row(prep, results))
-                yield {sweep_plot: plots.sweep_figure(rows), sweep_table: [[r[c] for c in SWEEP_COLUMNS] for r in rows]}
+            with stop_scope(key):  # one flag for the whole sweep, before Stop is enabled: none lost between points
+                yield {sweep_btn: gr.update(interactive=False, value=f"Running 0/{total}…"),
+                       sweep_stop: gr.update(interactive=True), sweep_status: ""}
+                for i, prep in enumerate(plan):
+                    results: list[Result] = []
+                    for k in range(reps):
+                        res = None
+                        try:
+                            with closing(studio.steps(prep, key)) as steps:
+                                for x in steps:
+                                    if isinstance(x, Result):
+                                        res = x
+                                    else:  # an empty frame: a closed tab ends the generator here, within one forward
+                                        yield gr.skip()
+                        except Exception as e:
+                            raise gr.Error(f"decoding failed: {e}") from e
+                        assert res is not None
+                        if res.summary.stop_reason == render.STOPPED:
+                            yield {sweep_status: f'<div class="fd-stopped-note">Stopped after {len(rows)} of '
+                                                 f'{len(plan)} points: the plot shows the finished ones.</div>'}
+                            return
+                        results.append(res)
+                        yield {sweep_btn: gr.update(value=f"Running {i * reps + k + 1}/{total}…")}
+                    rows.append(studio.sweep_row(prep, results))
+                    yield {sweep_plot: plots.sweep_figure(rows),
+                           sweep_table: [[r[c] for c in SWEEP_COLUMNS] for r in rows]}
 
         sweep_btn.click(sweep_ui, [sweep_msg, sweep_th, sweep_bs, sweep_reps, *widgets],
                         [sweep_plot, sweep_table, sweep_btn, sweep_stop, sweep_status], **quiet).then(

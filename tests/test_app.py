@@ -237,6 +237,23 @@ def test_stop_cancels_within_one_forward(server):
     assert result.summary.answer_tokens < 64
 
 
+def test_a_stop_between_two_runs_of_a_sweep_stops_the_next(server):
+    """Race and sweep hold one stop flag for all their runs: a Stop that lands between two runs (the old
+    per-run flags had none then, and it was lost) stops the next run at its first forward."""
+    from app.stream import stop_scope
+
+    eng = server.engine
+    cfg, _ = to_config(eng, {"mode": server.mode, "max_new_tokens": 64, "threshold": 1.0})
+    ids = eng.encode(eng.chat_prompt([{"role": "user", "content": "Count from one to fifty."}]))
+    with stop_scope("test-scope"):
+        first = [res for _, res in decode_stream(ids, cfg, "count", "test-scope", frame=0) if res][-1]
+        assert request_stop("test-scope")  # between the runs
+        second = [res for _, res in decode_stream(ids, cfg, "count", "test-scope", frame=0) if res][-1]
+    assert first.summary.stop_reason != "cancelled" and second.summary.stop_reason == "cancelled"
+    assert second.summary.nfe <= 1
+    assert not request_stop("test-scope")  # the scope is over: nothing runs under the key
+
+
 def test_stream_batches_fast_engines_into_frames(monkeypatch):
     """A fast engine (1000 forwards/s) reaches the UI in ~30 frames/s, every event once, in order."""
     import time

@@ -285,8 +285,7 @@ def test_stopped_race_and_sweep_say_so(page):
     pg.click("#fd-sweep")
     pg.wait_for_function("document.querySelector('#fd-sweep-stop') && !document.querySelector('#fd-sweep-stop')"
                          ".disabled", timeout=60_000)
-    pg.wait_for_timeout(1500)
-    pg.click("#fd-sweep-stop")
+    pg.click("#fd-sweep-stop")  # at once: the sweep's stop flag exists before Stop is enabled
     pg.wait_for_selector("#fd-sweep-status .fd-stopped-note", timeout=60_000)
     assert "Stopped after 0 of 4 points" in pg.locator("#fd-sweep-status").inner_text()
     pg.wait_for_function("!document.querySelector('#fd-sweep').disabled", timeout=30_000)
