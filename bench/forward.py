@@ -49,7 +49,7 @@ def quantized(model: torch.nn.Module, spec: str) -> torch.nn.Module:
 
     spec, _, act = spec.partition("/")
     mode, _, wide = spec.partition("@")
-    policy = quant.WeightPolicy(mode, int(wide) if wide else quant.DEFAULT_WIDE_ROWS, act or quant.DEFAULT_ACT)
+    policy = quant.WeightPolicy(mode, int(wide) if wide else None, act or quant.DEFAULT_ACT)
     tensors, scale = _adapter_tensors(BUNDLED_ADAPTER)
     pair = quant.QuantizedPair(quant.cached_gguf(_gguf_path(), model.cfg.num_attention_heads, model.cfg.num_key_value_heads,
                                                  bundled_base_dir() / "q4_1_blocks.safetensors"), policy)

@@ -38,7 +38,13 @@ MODES = ("int4+bf16", "int4", "bf16", "fp32")
 DEFAULT_MODE = "int4+bf16"
 HEAD_WIDE_ROWS = 4  # LM head: int4 planes below, dense bf16 from here (7.4 vs 14.8 ms at 1 row, 25.5 vs 20.7 at 8);
 # counted per sequence, so an 8-row AR batch pays the 25.5 ms to keep every row's logits equal to its own alone
-DEFAULT_WIDE_ROWS = 16  # below: fp32 activations (AR steps, 9-wide sub-block steps keep the fp32 path's tokens); from it: bf16 (README)
+FUSED_MAX_WIDTH = 32  # widest forward the one-call layer step takes (a block step); prefills stay eager
+# Where wide calls start (bf16 activations), per backend. Ours: above a block, so every cached decode step (AR, sub-block,
+# block) keeps fp32 activations and the fp32 path's tokens, and only prefills take bf16 (diffusion answers equal to the
+# fp32 path's: 302/309 against 292 at 16, for 0.92x the speed; README). torch's int4 kernel: at 16, where it costs as much
+# as dense bf16.
+OURS_WIDE_ROWS = FUSED_MAX_WIDTH + 1
+TORCH_WIDE_ROWS = 16
 ACTS = ("fp32", "int8")
 DEFAULT_ACT = "fp32"  # activations of our kernels' narrow calls (README: speed and greedy agreement of both)
 GROUP = 32  # Q4_1 / Q8_0 block size
@@ -48,17 +54,18 @@ _Q8_0_BYTES = 34  # fp16 d, 32 int8
 
 @dataclass(frozen=True, slots=True)
 class WeightPolicy:
-    """Which weights the projections run with: `mode` in MODES; `wide_rows`: int4+bf16's switch point; `act`: the
-    activations our 4-bit kernels take below it (fp32, or int8 per 32-group like llama.cpp)."""
+    """Which weights the projections run with: `mode` in MODES; `wide_rows`: int4+bf16's switch point (None: the
+    backend's, `switch`); `act`: the activations our 4-bit kernels take below it (fp32, or int8 per 32-group like
+    llama.cpp)."""
 
     mode: str = DEFAULT_MODE
-    wide_rows: int = DEFAULT_WIDE_ROWS
+    wide_rows: int | None = None
     act: str = DEFAULT_ACT
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ValueError(f"FASTDLLM_WEIGHTS: {self.mode!r} is not one of {', '.join(MODES)}")
-        if self.wide_rows < 2:
+        if self.wide_rows is not None and self.wide_rows < 2:
             raise ValueError(f"FASTDLLM_INT4_WIDE_ROWS: {self.wide_rows} must be >= 2")
         if self.act not in ACTS:
             raise ValueError(f"FASTDLLM_ACTIVATIONS: {self.act!r} is not one of {', '.join(ACTS)}")
@@ -68,10 +75,14 @@ class WeightPolicy:
         mode = os.environ.get("FASTDLLM_WEIGHTS", "").strip() or DEFAULT_MODE
         raw = os.environ.get("FASTDLLM_INT4_WIDE_ROWS", "").strip()
         try:
-            wide = int(raw) if raw else DEFAULT_WIDE_ROWS
+            wide = int(raw) if raw else None
         except ValueError:
             raise ValueError(f"FASTDLLM_INT4_WIDE_ROWS: {raw!r} is not an integer >= 2") from None
         return cls(mode, wide, os.environ.get("FASTDLLM_ACTIVATIONS", "").strip() or DEFAULT_ACT)
+
+    def switch(self, ours: bool) -> int:
+        """Positions per sequence from which int4+bf16 runs bf16 activations, with our kernels or torch's."""
+        return self.wide_rows if self.wide_rows is not None else OURS_WIDE_ROWS if ours else TORCH_WIDE_ROWS
 
 
 # ---- reading the GGUF ---------------------------------------------------------------------------------
@@ -408,9 +419,6 @@ class Q8Embedding(nn.Module):
         return x
 
 
-FUSED_MAX_WIDTH = 32  # widest forward the one-call layer step takes (a block step); prefills stay eager
-
-
 class LayerStep:
     """One decoder layer's narrow forward as a single call of our kernels (engine/csrc/layer.cpp), for layers whose
     four projections are Int4Linear on our kernels. Holds the layer's tensors, gathered once: the model is
@@ -488,7 +496,7 @@ class QuantizedPair:
     def apply(self, model: CausalLM, lora: dict[str, tuple[Tensor, Tensor]] | None = None, lora_scale: float = 1.0,
               extra_rows: Tensor | None = None) -> CausalLM:
         """Replace `model`'s projections, LM head and embedding in place (its dense weights are dropped)."""
-        wide = self.policy.wide_rows if self.policy.mode == "int4+bf16" else None
+        wide = self.policy.switch(self.head.kernels is not None) if self.policy.mode == "int4+bf16" else None
         for i, layer in enumerate(model.model.layers):
             for key, (sub, names) in FUSED.items():
                 owner = getattr(layer, sub)
