@@ -4,6 +4,10 @@ An answer is correct when any of the item's answers occurs in the output as a wh
 ignoring case (bench/checker.py). Tokens per forward and tokens/s use the same accounting as the
 throughput benchmark: answer tokens through the stop token, engine time only.
 
+--agree-with REF compares every answer with a reference run's (its results.json; same item id, mode and threshold):
+the share of greedy answers that are identical, e.g. of the default 4-bit path against FASTDLLM_WEIGHTS=fp32. A
+fidelity measure of a weight or kernel path, next to accuracy, which can hide answers that moved both ways.
+
 --long-set adds the parallelism half of the threshold curve: each diffusion setting also decodes the
 long-answer prompts (lists, steps, code, explanations), where tokens per forward can show; short answers
 barely parallelise. AR is one token per forward by construction, so it is not re-run there.
@@ -100,9 +104,38 @@ def long_tokens_per_forward(eng, args: argparse.Namespace, runs: list, results: 
     bar.close()
 
 
+Reference = dict[tuple[str, float | None], dict[Any, str]]
+
+
+def load_reference(path: str) -> Reference:
+    """(mode, threshold) -> {item id: output} of an earlier `bench quality` results.json (--agree-with)."""
+    try:
+        report = json.loads(Path(path).read_text(encoding="utf-8"))
+        if report.get("kind") != "quality":
+            raise ValueError(f"kind is {report.get('kind')!r}, not 'quality'")
+        return {(r["mode"], r["threshold"]): {o["id"]: o["output"] for o in r["outputs"] if o["id"] is not None}
+                for r in report["results"]}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        raise SystemExit(f"--agree-with: {path} is not a readable `bench quality` results.json ({e})") from None
+
+
+def add_agreement(results: list[dict[str, Any]], ref: Reference, path: str) -> None:
+    """Each result whose (mode, threshold) the reference has: answers equal to the reference's, over the items both
+    ran (matched by id; items without one are not compared; the ids that differ are listed)."""
+    for r in results:
+        outs = ref.get((r["mode"], r["threshold"]))
+        pairs = [(o["id"], o["output"] == outs[o["id"]]) for o in r["outputs"] if o["id"] in outs] if outs else []
+        if pairs:
+            equal = sum(ok for _, ok in pairs)
+            r["agreement"] = equal / len(pairs)
+            r["agreement_detail"] = {"reference": path, "equal": equal, "compared": len(pairs),
+                                     "differ": [i for i, ok in pairs if not ok]}
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from .checker import load_eval_set
 
+    ref = load_reference(args.agree_with) if args.agree_with else None  # before the long run: fail early
     setup_torch(args.threads)
     eng = load_engine(args.model, args.dtype, args.device)
     items = load_eval_set(args.eval_set or DEFAULT_EVAL_SET)
@@ -135,6 +168,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     bar.close()
     if args.long_set:
         long_tokens_per_forward(eng, args, runs, results)
+    if ref is not None:
+        add_agreement(results, ref, args.agree_with)
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     report = {"kind": "quality", "environment": environment(eng), "eval_set": str(args.eval_set or DEFAULT_EVAL_SET),
@@ -146,12 +181,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 COLUMNS = [("mode", "mode"), ("threshold", "threshold"), ("n", "n"), ("accuracy", "accuracy"),
            ("tokens_per_forward", "tok/fwd"), ("tokens_per_second", "tok/s"), ("answer_tokens", "answer tok"),
-           ("nfe", "NFE"), ("long_tokens_per_forward", "long tok/fwd")]
+           ("nfe", "NFE"), ("long_tokens_per_forward", "long tok/fwd"), ("agreement", "= ref")]
 
 
 def public(report: dict[str, Any]) -> dict[str, Any]:
     keys = ("mode", "threshold", "accuracy", "tokens_per_forward", "tokens_per_second", "n")
-    extra = ("long_tokens_per_forward",)  # only with --long-set
+    extra = ("long_tokens_per_forward", "agreement")  # only with --long-set, --agree-with
     return {"results": [{k: r[k] for k in keys + extra if k in r} for r in report["results"]]}
 
 
@@ -176,6 +211,9 @@ def add_parser(sub) -> None:
                         "long-answer prompts (e.g. bench/data/long_answer.jsonl)")
     p.add_argument("--long-limit", type=int, default=None, help="use only the first N long-answer prompts")
     p.add_argument("--long-max-new-tokens", type=int, default=128, help="answer length cap on the long set")
+    p.add_argument("--agree-with", default=None, metavar="RESULTS_JSON",
+                   help="an earlier run's results.json (e.g. with FASTDLLM_WEIGHTS=fp32): report the share of answers "
+                        "identical to it per setting")
     p.add_argument("--json", action="store_true", help="print exactly one JSON object on stdout (all else to stderr)")
     p.add_argument("--out", default="runs/bench/quality")
     p.add_argument("--no-png", action="store_true")

@@ -165,6 +165,32 @@ def test_quality_json_prints_exactly_one_object(eng, tmp_path, capsys):
     assert (tmp_path / "q" / "quality.html").exists()
 
 
+def test_quality_agree_with_counts_answers_equal_to_a_reference_run(eng, tmp_path, capsys):
+    """--agree-with: per (mode, threshold) the share of answers identical to an earlier run's (matched by item id);
+    a changed reference answer counts as a difference; a file that is not a quality result is refused up front."""
+    eval_set = tmp_path / "eval.jsonl"
+    eval_set.write_text("".join(json.dumps(x) + "\n" for x in [
+        {"id": "a", "prompt": "What is the capital of France?", "answers": ["Paris"]},
+        {"id": "b", "prompt": "What is 2 + 2?", "answers": ["4"]}]), encoding="utf-8")
+    common = ["quality", "--eval-set", str(eval_set), "--thresholds", "0.9", "--max-new-tokens", "4", "--no-png",
+              "--quiet"]
+    run_cli([*common, "--out", str(tmp_path / "ref")], capsys)
+    ref_path = tmp_path / "ref" / "results.json"
+    ref = json.loads(ref_path.read_text())
+    ref["results"][1]["outputs"][0]["output"] += " (changed)"  # diffusion, item a
+    del ref["results"][0]["outputs"][1]  # AR: item b missing from the reference
+    ref_path.write_text(json.dumps(ref))
+    stdout = run_cli([*common, "--agree-with", str(ref_path), "--json", "--out", str(tmp_path / "q")], capsys)
+    ar, diff = json.loads(stdout)["results"]
+    assert ar["agreement"] == 1.0 and diff["agreement"] == 0.5
+    full = json.loads((tmp_path / "q" / "results.json").read_text())["results"]
+    assert full[0]["agreement_detail"] == {"reference": str(ref_path), "equal": 1, "compared": 1, "differ": []}
+    assert full[1]["agreement_detail"]["differ"] == ["a"] and full[1]["agreement_detail"]["compared"] == 2
+    (tmp_path / "bad.json").write_text(json.dumps({"kind": "throughput"}))
+    with pytest.raises(SystemExit, match="--agree-with: .*bad.json is not a readable `bench quality` results.json"):
+        run_cli([*common, "--agree-with", str(tmp_path / "bad.json"), "--out", str(tmp_path / "x")], capsys)
+
+
 def test_quality_long_set_adds_tokens_per_forward_per_threshold(eng, tmp_path, capsys):
     eval_set = tmp_path / "eval.jsonl"
     eval_set.write_text(json.dumps({"prompt": "What is 2 + 2?", "answers": ["4"]}) + "\n", encoding="utf-8")

@@ -12,9 +12,11 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -92,53 +94,103 @@ inline __m512 sum16(const __m512* v) {
   return _mm512_add_ps(_mm512_shuffle_f32x4(s01, s23, 0x88), _mm512_shuffle_f32x4(s01, s23, 0xDD));
 }
 
-// One query row against the keys its mask allows: out = softmax(q K^T * scale) V, 16 keys at a time.
-void attend(const float* q, const float* K, int64_t kl, const float* V, int64_t vl, const bool* vis, int64_t n,
-            int64_t D, float scale, float* s, float* out) {
+// Attention of the queries of one kv head: its `group` query heads at positions [t0, t1) of one sequence. Each
+// query's numbers are those of a row-by-row softmax(q K^T * scale) V over the keys its mask allows (scores 16 keys
+// at a time, the same sums in the same order whatever the other queries), but every 16-key tile of K, and every
+// row of V, is read once for all of them while it is in L1, instead of once per query from L2: at ~1k cached keys
+// that re-reading was most of a wide forward's attention.
+template <int C>  // C = D / 16 vectors per head row
+void attend_group(const float* qkv, int64_t W, int64_t qcol, int group, int64_t t0, int64_t t1, const float* K,
+                  int64_t kl, const float* V, int64_t vl, const bool* mask, int64_t n, float scale,
+                  float* s, float* out, int64_t ow) {
+  constexpr int64_t D = 16 * C;
+  const int64_t Q = (t1 - t0) * group, np = (n + 15) / 16 * 16;
   const __m512 neg = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-  __m512 mx = neg;
-  for (int64_t j0 = 0; j0 < n; j0 += 16) {
+  auto qrow = [&](int64_t i) { return qkv + (t0 + i / group) * W + qcol + (i % group) * D; };
+  auto vis = [&](int64_t i) { return mask + (t0 + i / group) * n; };
+  for (int64_t j0 = 0; j0 < n; j0 += 16) {  // scores
     const int64_t cnt = std::min<int64_t>(16, n - j0);
     const __mmask16 in = cnt == 16 ? 0xffff : static_cast<__mmask16>((1u << cnt) - 1);
-    const __mmask16 ok = _mm_mask_cmpneq_epi8_mask(in, _mm_maskz_loadu_epi8(in, vis + j0), _mm_setzero_si128());
-    __m512 sc;
-    if (ok == 0) {
-      sc = neg;
-    } else {
-      __m512 acc[16];
-      for (int j = 0; j < 16; ++j) {
-        acc[j] = _mm512_setzero_ps();
-        if (j < cnt)
-          for (int64_t d = 0; d < D; d += 16)
-            acc[j] = _mm512_fmadd_ps(_mm512_loadu_ps(q + d), _mm512_loadu_ps(K + (j0 + j) * kl + d), acc[j]);
+    for (int64_t i = 0; i < Q; ++i) {
+      const __mmask16 ok = _mm_mask_cmpneq_epi8_mask(in, _mm_maskz_loadu_epi8(in, vis(i) + j0), _mm_setzero_si128());
+      __m512 sc = neg;
+      if (ok != 0) {
+        const float* q = qrow(i);
+        __m512 qv[C], acc[16];
+        for (int c = 0; c < C; ++c) qv[c] = _mm512_loadu_ps(q + 16 * c);
+        if (cnt == 16) {  // a whole tile: constant trip counts keep the 16 sums in registers
+          for (int j = 0; j < 16; ++j) {
+            acc[j] = _mm512_mul_ps(qv[0], _mm512_loadu_ps(K + (j0 + j) * kl));
+            for (int c = 1; c < C; ++c) acc[j] = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(K + (j0 + j) * kl + 16 * c), acc[j]);
+          }
+        } else {
+          for (int j = 0; j < 16; ++j) {
+            acc[j] = _mm512_setzero_ps();
+            if (j < cnt)
+              for (int c = 0; c < C; ++c) acc[j] = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(K + (j0 + j) * kl + 16 * c), acc[j]);
+          }
+        }
+        sc = _mm512_mask_mov_ps(neg, ok, _mm512_mul_ps(sum16(acc), _mm512_set1_ps(scale)));
       }
-      sc = _mm512_mask_mov_ps(neg, ok, _mm512_mul_ps(sum16(acc), _mm512_set1_ps(scale)));
+      _mm512_storeu_ps(s + i * np + j0, sc);
     }
-    _mm512_storeu_ps(s + j0, sc);
-    mx = _mm512_max_ps(mx, sc);
   }
-  const float m = _mm512_reduce_max_ps(mx);
-  for (int64_t d = 0; d < D; ++d) out[d] = 0.0f;
-  if (m == -std::numeric_limits<float>::infinity()) return;  // no visible key: zeros
-  __m512 sum = _mm512_setzero_ps();
-  const __m512 mv = _mm512_set1_ps(m);
-  for (int64_t j0 = 0; j0 < n; j0 += 16) {
-    const __m512 sc = _mm512_loadu_ps(s + j0);
-    const __mmask16 ok = _mm512_cmp_ps_mask(sc, neg, _CMP_NEQ_OQ);
-    const __m512 e = _mm512_maskz_mov_ps(ok, exp_ps(_mm512_sub_ps(sc, mv)));
-    _mm512_storeu_ps(s + j0, e);
-    sum = _mm512_add_ps(sum, e);
+  std::vector<float> inv(Q);
+  for (int64_t i = 0; i < Q; ++i) {  // softmax numerators in place, 1 / their sum (0: no visible key, zeros out)
+    float* si = s + i * np;
+    __m512 mx = neg;
+    for (int64_t j0 = 0; j0 < n; j0 += 16) mx = _mm512_max_ps(mx, _mm512_loadu_ps(si + j0));
+    const float m = _mm512_reduce_max_ps(mx);
+    if (m == -std::numeric_limits<float>::infinity()) {
+      std::fill(si, si + np, 0.0f);
+      inv[i] = 0.0f;
+      continue;
+    }
+    __m512 sum = _mm512_setzero_ps();
+    const __m512 mv = _mm512_set1_ps(m);
+    for (int64_t j0 = 0; j0 < n; j0 += 16) {
+      const __m512 sc = _mm512_loadu_ps(si + j0);
+      const __m512 e = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(sc, neg, _CMP_NEQ_OQ), exp_ps(_mm512_sub_ps(sc, mv)));
+      _mm512_storeu_ps(si + j0, e);
+      sum = _mm512_add_ps(sum, e);
+    }
+    inv[i] = 1.0f / _mm512_reduce_add_ps(sum);
   }
-  const int64_t chunks = D / 16;
-  __m512 o[8];  // D <= 128
-  for (int64_t c = 0; c < chunks; ++c) o[c] = _mm512_setzero_ps();
-  for (int64_t j = 0; j < n; ++j) {
-    if (s[j] == 0.0f) continue;
-    const __m512 e = _mm512_set1_ps(s[j]);
-    for (int64_t c = 0; c < chunks; ++c) o[c] = _mm512_fmadd_ps(e, _mm512_loadu_ps(V + j * vl + 16 * c), o[c]);
+  constexpr int QB = C <= 4 ? 6 : 3;  // queries per pass over V: QB * C accumulators + C rows of V in registers
+  for (int64_t i0 = 0; i0 < Q; i0 += QB) {
+    const int64_t qb = std::min<int64_t>(QB, Q - i0);
+    auto pass = [&](auto nq) {  // nq: a compile-time query count, so the accumulators stay in registers
+      constexpr int NQ = decltype(nq)::value;
+      __m512 o[NQ][C];
+      for (int i = 0; i < NQ; ++i)
+        for (int c = 0; c < C; ++c) o[i][c] = _mm512_setzero_ps();
+      const float* si = s + i0 * np;
+      for (int64_t j = 0; j < n; ++j) {
+        __m512 v[C];
+        for (int c = 0; c < C; ++c) v[c] = _mm512_loadu_ps(V + j * vl + 16 * c);
+        for (int i = 0; i < NQ; ++i) {
+          const float e = si[i * np + j];
+          if (e == 0.0f) continue;  // masked or underflowed: adds nothing (and never reads what V holds there)
+          const __m512 ev = _mm512_set1_ps(e);
+          for (int c = 0; c < C; ++c) o[i][c] = _mm512_fmadd_ps(ev, v[c], o[i][c]);
+        }
+      }
+      for (int i = 0; i < NQ; ++i) {
+        const int64_t q = i0 + i;
+        float* dst = out + (t0 + q / group) * ow + (q % group) * D;
+        const __m512 iv = _mm512_set1_ps(inv[q]);
+        for (int c = 0; c < C; ++c) _mm512_storeu_ps(dst + 16 * c, _mm512_mul_ps(o[i][c], iv));
+      }
+    };
+    switch (qb) {
+      case 1: pass(std::integral_constant<int, 1>{}); break;
+      case 2: pass(std::integral_constant<int, 2>{}); break;
+      case 3: pass(std::integral_constant<int, 3>{}); break;
+      case 4: if constexpr (QB >= 4) pass(std::integral_constant<int, 4>{}); break;
+      case 5: if constexpr (QB >= 5) pass(std::integral_constant<int, 5>{}); break;
+      default: if constexpr (QB >= 6) pass(std::integral_constant<int, 6>{}); break;
+    }
   }
-  const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(sum));
-  for (int64_t c = 0; c < chunks; ++c) _mm512_storeu_ps(out + 16 * c, _mm512_mul_ps(o[c], inv));
 }
 
 }  // namespace
@@ -153,7 +205,7 @@ torch::Tensor layer_step(torch::Tensor x, torch::Tensor norm1, torch::Tensor nor
               "layer_step: 4 projections (q|k|v, o, gate|up, down)");
   const int64_t B = x.size(0), T = x.size(1), H = x.size(2), M = B * T, D = cos.size(1);
   const int64_t n = mask.size(2), group = heads / kv_heads;
-  TORCH_CHECK(D % 16 == 0 && D <= 128 && heads % kv_heads == 0 && cos.size(0) == M && sin.size(0) == M, "layer_step: rope tables [B*T, D]");
+  TORCH_CHECK((D == 64 || D == 128) && heads % kv_heads == 0 && cos.size(0) == M && sin.size(0) == M, "layer_step: head dim 64 or 128, rope tables [B*T, D]");
   TORCH_CHECK(mask.scalar_type() == torch::kBool && mask.is_contiguous() && mask.size(0) == B && mask.size(1) == T,
               "layer_step: mask must be bool [B, T, keys]");
   TORCH_CHECK(pos.scalar_type() == torch::kLong && pos.is_contiguous() && pos.numel() == M, "layer_step: pos [B, T]");
@@ -190,12 +242,24 @@ torch::Tensor layer_step(torch::Tensor x, torch::Tensor norm1, torch::Tensor nor
   float* ap = att.data_ptr<float>();
   const bool* mp = mask.data_ptr<bool>();
   const float scale = 1.0f / std::sqrt(static_cast<float>(D));
-  at::parallel_for(0, M * heads, 16, [&](int64_t i0, int64_t i1) {
-    std::vector<float> s((n + 15) / 16 * 16);
+  // tasks: (sequence, kv head, up to kAttnRows positions), each the queries of the kv head's `group` query heads
+  constexpr int64_t kAttnRows = 8;
+  const int64_t chunks = (T + kAttnRows - 1) / kAttnRows;
+  at::parallel_for(0, B * kv_heads * chunks, 1, [&](int64_t i0, int64_t i1) {
+    std::vector<float> s(std::min<int64_t>(T, kAttnRows) * group * ((n + 15) / 16 * 16));
     for (int64_t i = i0; i < i1; ++i) {
-      const int64_t m = i / heads, h = i % heads, b = m / T, g = h / group;
-      attend(qp + m * W + h * D, kc + b * kb + g * kh, kl, vc + b * vb + g * vh, vl, mp + m * n, n, D, scale, s.data(),
-             ap + m * heads * D + h * D);
+      const int64_t b = i / (kv_heads * chunks), g = i / chunks % kv_heads, t0 = i % chunks * kAttnRows;
+      const int64_t t1 = std::min(T, t0 + kAttnRows);
+      const float* q = qp + b * T * W;
+      const float* kk = kc + b * kb + g * kh;
+      const float* vv = vc + b * vb + g * vh;
+      const bool* mk = mp + b * T * n;
+      float* o = ap + b * T * heads * D + g * group * D;
+      switch (D / 16) {
+        case 4: attend_group<4>(q, W, g * group * D, group, t0, t1, kk, kl, vv, vl, mk, n, scale, s.data(), o, heads * D); break;
+        case 8: attend_group<8>(q, W, g * group * D, group, t0, t1, kk, kl, vv, vl, mk, n, scale, s.data(), o, heads * D); break;
+        default: TORCH_CHECK(false, "layer_step: head dim ", D, " is not 64 or 128");
+      }
     }
   });
   torch::Tensor h1 = x2 + project(att, weights, 1, int8, wide, lora_a[1], lora_b[1], lora_slices[1]);
