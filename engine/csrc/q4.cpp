@@ -43,6 +43,42 @@ inline void halves_to_float(const at::Half* src, int64_t n, float* dst) {
 
 // ---- fp32 activations -------------------------------------------------------------------------------------------
 
+// Both fp32 paths below dequantise with these, so a tile's weights are the same numbers in registers and in L1.
+template <bool Q8>
+inline void prefetch_pair(const uint8_t* wp) {
+  _mm_prefetch(reinterpret_cast<const char*>(wp + kAhead), _MM_HINT_T0);
+  _mm_prefetch(reinterpret_cast<const char*>(wp + kAhead + 64), _MM_HINT_T0);
+  if constexpr (Q8) {
+    _mm_prefetch(reinterpret_cast<const char*>(wp + kAhead + 128), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(wp + kAhead + 192), _MM_HINT_T0);
+  }
+}
+
+// Output j of a tile over the pair of groups (g, g + 1) as 4 vectors of fp32 weights: (g, 0..15), (g, 16..31),
+// (g+1, 0..15), (g+1, 16..31). p: the pair's bytes of output j; s: the tile's scales as fp32, [g][j][S].
+template <bool Q8>
+inline void dequant_pair(const uint8_t* p, const float* s, int64_t g, int j, __m512* v) {
+  if constexpr (Q8) {
+    const __m512i bias = _mm512_set1_epi32(128);
+    const __m512 d0 = _mm512_set1_ps(s[g * kTile + j]), d1 = _mm512_set1_ps(s[(g + 1) * kTile + j]);
+    for (int c = 0; c < 4; ++c) {
+      const __m512i u = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16 * c)));
+      v[c] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(u, bias)), c < 2 ? d0 : d1);
+    }
+  } else {
+    const __m512i low = _mm512_set1_epi32(15);
+    const float* s0 = s + (g * kTile + j) * 2;
+    const float* s1 = s + ((g + 1) * kTile + j) * 2;
+    const __m512 d0 = _mm512_set1_ps(s0[0]), m0 = _mm512_set1_ps(s0[1]);
+    const __m512 d1 = _mm512_set1_ps(s1[0]), m1 = _mm512_set1_ps(s1[1]);
+    for (int c = 0; c < 2; ++c) {
+      const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16 * c)));
+      v[c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(b, low)), d0, m0);
+      v[2 + c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4)), d1, m1);
+    }
+  }
+}
+
 // A tile's 4 outputs x MB rows; per pair of groups and output, 4 vectors of 16 weights.
 template <bool Q8, int MB>
 void f32_tile(const float* x, const uint8_t* w, const at::Half* sc, int64_t K, int64_t n0, float* y, int64_t ldy) {
@@ -54,36 +90,11 @@ void f32_tile(const float* x, const uint8_t* w, const at::Half* sc, int64_t K, i
   __m512 acc[NB][MB];
   for (int j = 0; j < NB; ++j)
     for (int i = 0; i < MB; ++i) acc[j][i] = _mm512_setzero_ps();
-  const __m512i low = _mm512_set1_epi32(15), bias = _mm512_set1_epi32(128);
   for (int64_t g = 0; g < G; g += 2) {
     const uint8_t* wp = wt + (g / 2) * kTile * pair_bytes;
-    _mm_prefetch(reinterpret_cast<const char*>(wp + kAhead), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(wp + kAhead + 64), _MM_HINT_T0);
-    if constexpr (Q8) {
-      _mm_prefetch(reinterpret_cast<const char*>(wp + kAhead + 128), _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(wp + kAhead + 192), _MM_HINT_T0);
-    }
+    prefetch_pair<Q8>(wp);
     __m512 v[NB][4];  // weights of (g, 0..15), (g, 16..31), (g+1, 0..15), (g+1, 16..31)
-    for (int j = 0; j < NB; ++j) {
-      const uint8_t* p = wp + j * pair_bytes;
-      if constexpr (Q8) {
-        const __m512 d0 = _mm512_set1_ps(s[g * kTile + j]), d1 = _mm512_set1_ps(s[(g + 1) * kTile + j]);
-        for (int c = 0; c < 4; ++c) {
-          const __m512i u = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16 * c)));
-          v[j][c] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(u, bias)), c < 2 ? d0 : d1);
-        }
-      } else {
-        const float* s0 = s + (g * kTile + j) * 2;
-        const float* s1 = s + ((g + 1) * kTile + j) * 2;
-        const __m512 d0 = _mm512_set1_ps(s0[0]), m0 = _mm512_set1_ps(s0[1]);
-        const __m512 d1 = _mm512_set1_ps(s1[0]), m1 = _mm512_set1_ps(s1[1]);
-        for (int c = 0; c < 2; ++c) {
-          const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16 * c)));
-          v[j][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(b, low)), d0, m0);
-          v[j][2 + c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4)), d1, m1);
-        }
-      }
-    }
+    for (int j = 0; j < NB; ++j) dequant_pair<Q8>(wp + j * pair_bytes, s, g, j, v[j]);
     for (int i = 0; i < MB; ++i) {
       const float* xr = x + i * K + g * kGroup;
       const __m512 x0 = _mm512_loadu_ps(xr), x1 = _mm512_loadu_ps(xr + 16);
@@ -111,36 +122,13 @@ void f32_unpack_tile(const uint8_t* w, const at::Half* sc, int64_t K, int64_t n0
   const uint8_t* wt = w + (n0 / kTile) * kTile * G / 2 * pair_bytes;
   alignas(64) float s[kTile * S * kMaxGroups];
   halves_to_float(sc + (n0 / kTile) * kTile * G * S, kTile * G * S, s);
-  const __m512i low = _mm512_set1_epi32(15), bias = _mm512_set1_epi32(128);
   for (int64_t g = 0; g < G; g += 2) {
     const uint8_t* wp = wt + (g / 2) * kTile * pair_bytes;
-    float* out = buf + (g / 2) * kTile * 64;
-    _mm_prefetch(reinterpret_cast<const char*>(wp + kAhead), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(wp + kAhead + 64), _MM_HINT_T0);
-    if constexpr (Q8) {
-      _mm_prefetch(reinterpret_cast<const char*>(wp + kAhead + 128), _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(wp + kAhead + 192), _MM_HINT_T0);
-    }
+    prefetch_pair<Q8>(wp);
     for (int j = 0; j < kTile; ++j) {
-      const uint8_t* p = wp + j * pair_bytes;
-      float* o = out + j * 64;
-      if constexpr (Q8) {
-        const __m512 d0 = _mm512_set1_ps(s[g * kTile + j]), d1 = _mm512_set1_ps(s[(g + 1) * kTile + j]);
-        for (int c = 0; c < 4; ++c) {
-          const __m512i u = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16 * c)));
-          _mm512_store_ps(o + 16 * c, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(u, bias)), c < 2 ? d0 : d1));
-        }
-      } else {
-        const float* s0 = s + (g * kTile + j) * 2;
-        const float* s1 = s + ((g + 1) * kTile + j) * 2;
-        const __m512 d0 = _mm512_set1_ps(s0[0]), m0 = _mm512_set1_ps(s0[1]);
-        const __m512 d1 = _mm512_set1_ps(s1[0]), m1 = _mm512_set1_ps(s1[1]);
-        for (int c = 0; c < 2; ++c) {
-          const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16 * c)));
-          _mm512_store_ps(o + 16 * c, _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(b, low)), d0, m0));
-          _mm512_store_ps(o + 32 + 16 * c, _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4)), d1, m1));
-        }
-      }
+      __m512 v[4];
+      dequant_pair<Q8>(wp + j * pair_bytes, s, g, j, v);
+      for (int c = 0; c < 4; ++c) _mm512_store_ps(buf + ((g / 2) * kTile + j) * 64 + 16 * c, v[c]);
     }
   }
 }
