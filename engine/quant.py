@@ -41,7 +41,7 @@ HEAD_WIDE_ROWS = 4  # LM head: int4 planes below, dense bf16 from here (7.4 vs 1
 FUSED_MAX_WIDTH = 32  # widest forward the one-call layer step takes (a block step); prefills stay eager
 # Where wide calls start (bf16 activations), per backend. Ours: above a block, so every cached decode step (AR, sub-block,
 # block) keeps fp32 activations and the fp32 path's tokens, and only prefills take bf16 (diffusion answers equal to the
-# fp32 path's: 302/309 against 292 at 16, for 0.92x the speed; README). torch's int4 kernel: at 16, where it costs as much
+# fp32 path's: 302/309 against 292 at 16, for 0.82-0.92x its speed; README). torch's int4 kernel: at 16, where it costs as much
 # as dense bf16.
 OURS_WIDE_ROWS = FUSED_MAX_WIDTH + 1
 TORCH_WIDE_ROWS = 16
