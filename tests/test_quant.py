@@ -236,6 +236,22 @@ def test_one_call_layer_step_matches_the_eager_layers(monkeypatch):
             for fused, eager in zip(*outs):
                 err = float((fused - eager).abs().max() / eager.abs().max())
                 assert err < (tol_block if fused.shape[1] == 32 else tol_narrow), (switch, fused.shape, err)
+    # The engine's key counts are whole 32-key quanta; the step also takes any count: 75 keys (a partial last
+    # 16-key tile) give exactly what the same keys padded to 80 with the extra 5 masked give.
+    m = q.lm.dllm
+    g = torch.Generator().manual_seed(3)
+    b, t, d = 2, 9, m.cfg.head_dim
+    qpos = torch.arange(60, 69)[None].expand(b, t).contiguous()
+    cos, sin = m.rope(qpos, torch.float32)
+    rope = (cos.expand(b, 1, t, d).reshape(b * t, d).contiguous(), sin.expand(b, 1, t, d).reshape(b * t, d).contiguous())
+    x = torch.randn(b, t, m.cfg.hidden_size, generator=g)
+    kv = torch.randn(2, b, m.cfg.num_key_value_heads, 80, d, generator=g)
+    vis = torch.rand(b, t, 80, generator=g) > 0.3
+    vis[..., 75:] = False
+    with torch.inference_mode():
+        partial = m.steps[0](x, kv[0].clone(), kv[1].clone(), (*rope, qpos, vis[..., :75].contiguous()))
+        whole = m.steps[0](x, kv[0].clone(), kv[1].clone(), (*rope, qpos, vis))
+    assert torch.equal(partial, whole)
     # the switch: forwards wider than a block and AR prefills (wide_calls) never reach the steps, the others do
     model = q.lm.base
     saved = model.steps

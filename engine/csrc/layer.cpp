@@ -103,7 +103,7 @@ inline __m512 sum16(const __m512* v) {
 template <int C>  // C = D / 16 vectors per head row
 void attend_group(const float* qkv, int64_t W, int64_t qcol, int group, int64_t t0, int64_t t1, const float* K,
                   int64_t kl, const float* V, int64_t vl, const bool* mask, int64_t n, float scale,
-                  float* s, float* out, int64_t ow) {
+                  float* s, float* inv, float* out, int64_t ow) {  // s: [Q][n rounded to 16], inv: [Q] (scratch)
   constexpr int64_t D = 16 * C;
   const int64_t Q = (t1 - t0) * group, np = (n + 15) / 16 * 16;
   const __m512 neg = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
@@ -136,7 +136,6 @@ void attend_group(const float* qkv, int64_t W, int64_t qcol, int group, int64_t 
       _mm512_storeu_ps(s + i * np + j0, sc);
     }
   }
-  std::vector<float> inv(Q);
   for (int64_t i = 0; i < Q; ++i) {  // softmax numerators in place, 1 / their sum (0: no visible key, zeros out)
     float* si = s + i * np;
     __m512 mx = neg;
@@ -248,7 +247,9 @@ torch::Tensor layer_step(torch::Tensor x, torch::Tensor norm1, torch::Tensor nor
   constexpr int64_t kAttnRows = 8;
   const int64_t chunks = (T + kAttnRows - 1) / kAttnRows;
   at::parallel_for(0, B * kv_heads * chunks, 1, [&](int64_t i0, int64_t i1) {
-    std::vector<float> s(std::min<int64_t>(T, kAttnRows) * group * ((n + 15) / 16 * 16));
+    const int64_t qmax = std::min<int64_t>(T, kAttnRows) * group;  // one scratch per task: scores, then 1/sums
+    std::vector<float> s(qmax * ((n + 15) / 16 * 16) + qmax);
+    float* inv = s.data() + qmax * ((n + 15) / 16 * 16);
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t b = i / (kv_heads * chunks), g = i / chunks % kv_heads, t0 = i % chunks * kAttnRows;
       const int64_t t1 = std::min(T, t0 + kAttnRows);
@@ -258,8 +259,8 @@ torch::Tensor layer_step(torch::Tensor x, torch::Tensor norm1, torch::Tensor nor
       const bool* mk = mp + b * T * n;
       float* o = ap + b * T * heads * D + g * group * D;
       auto run = [&](auto c) {
-        attend_group<decltype(c)::value>(q, W, g * group * D, group, t0, t1, kk, kl, vv, vl, mk, n, scale, s.data(), o,
-                                         heads * D);
+        attend_group<decltype(c)::value>(q, W, g * group * D, group, t0, t1, kk, kl, vv, vl, mk, n, scale, s.data(), inv,
+                                         o, heads * D);
       };
       switch (D / 16) {  // D is a multiple of 16 up to 128 (checked above)
         case 1: run(std::integral_constant<int, 1>{}); break;
