@@ -13,6 +13,13 @@ CACHE_MODES = ("none", "block", "dual")
 STRATEGIES = ("threshold", "factor")
 MAX_BLOCK_SIZE = 256
 MAX_NEW_TOKENS_LIMIT = 4096
+# Repetition knobs (engine/penalties.py applies them). Ranges: OpenAI's and vLLM's [-2, 2] for frequency and
+# presence; transformers and vLLM only require repetition_penalty > 0, and past 10 a seen token's logit is
+# scaled by more than 10x, which no one means, so we stop there; an n-gram longer than 64 tokens never repeats
+# by accident (a block is 32).
+MAX_REPETITION_PENALTY = 10.0
+MAX_FREQ_PRES_PENALTY = 2.0
+MAX_NO_REPEAT_NGRAM = 64
 
 
 class ConfigError(ValueError):
@@ -86,6 +93,11 @@ class DecodeConfig:
     top_p: float = 1.0
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    # Against repetition, with transformers'/vLLM's meanings (engine/penalties.py); all off by default.
+    repetition_penalty: float = 1.0  # seen tokens (prompt + answer so far): logit > 0 -> logit / p, else logit * p
+    frequency_penalty: float = 0.0  # OpenAI: logit -= f * (times the token is in the answer so far)
+    presence_penalty: float = 0.0  # OpenAI: logit -= p * (the token is in the answer so far)
+    no_repeat_ngram_size: int = 0  # transformers: never repeat an n-gram of prompt + answer (0 = off)
 
     def validate(self) -> "DecodeConfig":
         """Raise ConfigError naming the first field outside its allowed values."""
@@ -120,6 +132,17 @@ class DecodeConfig:
             raise ConfigError("top_p", f"must be a number in (0, 1] (got {self.top_p!r})")
         if self.seed is not None and (not is_int(self.seed) or not 0 <= self.seed < 2**63):
             raise ConfigError("seed", f"must be empty or an integer in [0, 2^63) (got {self.seed!r})")
+        if not is_num(self.repetition_penalty) or not 0.0 < self.repetition_penalty <= MAX_REPETITION_PENALTY:
+            raise ConfigError("repetition_penalty", f"must be a number in (0, {MAX_REPETITION_PENALTY:g}] (1 = off, "
+                                                    f">1 discourages repeats) (got {self.repetition_penalty!r})")
+        for name in ("frequency_penalty", "presence_penalty"):
+            v = getattr(self, name)
+            if not is_num(v) or not -MAX_FREQ_PRES_PENALTY <= v <= MAX_FREQ_PRES_PENALTY:
+                raise ConfigError(name, f"must be a number in [-{MAX_FREQ_PRES_PENALTY:g}, {MAX_FREQ_PRES_PENALTY:g}] "
+                                        f"(0 = off, >0 discourages repeats) (got {v!r})")
+        if not is_int(self.no_repeat_ngram_size) or not 0 <= self.no_repeat_ngram_size <= MAX_NO_REPEAT_NGRAM:
+            raise ConfigError("no_repeat_ngram_size", f"must be an integer in [0, {MAX_NO_REPEAT_NGRAM}] (0 = off) "
+                                                      f"(got {self.no_repeat_ngram_size!r})")
         if not all(is_int(t) and t >= 0 for t in self.stop_token_ids):
             raise ConfigError("stop_token_ids", f"must be non-negative integers (got {self.stop_token_ids!r})")
         return self
