@@ -29,15 +29,31 @@ def _decode_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--temperature", type=float, default=d.temperature, help="0 = greedy")
     p.add_argument("--top-p", type=float, default=d.top_p, help="nucleus sampling mass, in (0, 1]")
     p.add_argument("--seed", type=int, default=None, help="random seed for sampling")
+    p.add_argument("--repetition-penalty", type=float, default=d.repetition_penalty,
+                   help="transformers/vLLM: logits of tokens already in prompt or answer, >0 divided, else multiplied, "
+                        "by this; in (0, 10], 1 = off")
+    p.add_argument("--frequency-penalty", type=float, default=d.frequency_penalty,
+                   help="OpenAI: subtract this times the token's count in the answer so far; in [-2, 2], 0 = off")
+    p.add_argument("--presence-penalty", type=float, default=d.presence_penalty,
+                   help="OpenAI: subtract this from tokens already in the answer; in [-2, 2], 0 = off")
+    p.add_argument("--no-repeat-ngram-size", type=int, default=d.no_repeat_ngram_size,
+                   help="transformers: never repeat an n-gram of prompt + answer; 0 = off")
     p.add_argument("--system", default=None, help="system prompt (default: the model's chat template default)")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None, help="weights dtype (default: bf16 on CUDA, fp32 on CPU)")
 
 
+def _settings(a: argparse.Namespace) -> dict:
+    """The DecodeConfig fields the decode flags set (stop tokens come from the model)."""
+    return dict(mode=a.mode, block_size=a.block_size, sub_block_size=a.sub_block_size, threshold=a.threshold,
+                strategy=a.strategy, factor=a.factor, cache=a.cache, max_new_tokens=a.max_new_tokens,
+                temperature=a.temperature, top_p=a.top_p, seed=a.seed, repetition_penalty=a.repetition_penalty,
+                frequency_penalty=a.frequency_penalty, presence_penalty=a.presence_penalty,
+                no_repeat_ngram_size=a.no_repeat_ngram_size)
+
+
 def _config(engine, a: argparse.Namespace) -> DecodeConfig:
-    return engine.decode_config(mode=a.mode, block_size=a.block_size, sub_block_size=a.sub_block_size,
-                                threshold=a.threshold, strategy=a.strategy, factor=a.factor, cache=a.cache,
-                                max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_p=a.top_p, seed=a.seed)
+    return engine.decode_config(**_settings(a))
 
 
 def _messages(system: str | None, history: list[dict[str, str]], prompt: str) -> list[dict[str, str]]:
@@ -47,9 +63,7 @@ def _messages(system: str | None, history: list[dict[str, str]], prompt: str) ->
 def cmd_generate(a: argparse.Namespace) -> int:
     from .engine import Engine
 
-    DecodeConfig(mode=a.mode, block_size=a.block_size, sub_block_size=a.sub_block_size, threshold=a.threshold,
-                 strategy=a.strategy, factor=a.factor, cache=a.cache, max_new_tokens=a.max_new_tokens,
-                 temperature=a.temperature, top_p=a.top_p, seed=a.seed).validate()  # fail before loading weights
+    DecodeConfig(**_settings(a)).validate()  # fail before loading weights
     if not a.prompt.strip():
         raise ConfigError("prompt", "must not be empty")
     engine = Engine.load(a.model, a.device, a.dtype)
@@ -66,6 +80,8 @@ def cmd_generate(a: argparse.Namespace) -> int:
                           "tokens_per_second": s.tokens_per_second, "ttft": s.ttft, "stop_reason": s.stop_reason,
                           "mode": cfg.mode, "cache": cfg.cache, "threshold": cfg.threshold,
                           "block_size": cfg.block_size, "sub_block_size": cfg.sub_block_size,
+                          **{k: getattr(cfg, k) for k in ("repetition_penalty", "frequency_penalty",
+                                                          "presence_penalty", "no_repeat_ngram_size")},
                           "model": engine.lm.banner()}, ensure_ascii=False))
     else:
         if a.quiet:
@@ -126,7 +142,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
+def parser() -> argparse.ArgumentParser:
     p = _Parser(prog="python -m engine", description="Fast-dLLM v2 block-diffusion decoding")
     sub = p.add_subparsers(dest="cmd", required=True, parser_class=_Parser)
     g = sub.add_parser("generate", help="answer one prompt")
@@ -144,7 +160,11 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--model", help="hub id or local checkpoint directory (default: FASTDLLM_MODEL, else the bundled model)")
     s.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     s.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None, help="weights dtype")
-    a = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parser().parse_args(argv)
     cmds = {"generate": cmd_generate, "chat": cmd_chat, "serve": cmd_serve}
     try:
         return cmds[a.cmd](a)

@@ -19,6 +19,7 @@ from torch import Tensor
 from .config import DecodeConfig
 from .events import Event, Listener, Summary, Token
 from .model import CausalLM, KVCache, block_causal_mask, causal_mask, wide_calls
+from .penalties import NgramIndex, Penalties, apply_scales, ban
 from .sampling import sample, select_commits
 from .static import StaticStepper
 from .text import IncrementalDetokenizer, TokenBytes
@@ -52,6 +53,9 @@ class Row:
     t0: float = 0.0  # perf_counter when this row's decode started (its events' clock)
     listener: Listener | None = None  # this row's own listener (a scheduler's request), else the Decoder's
     cancel: Cancel | None = None  # this row's own stop flag: only this row leaves the batch
+    prompt: list[int] = field(default_factory=list)  # the prompt's ids (repetition penalty context)
+    pen: Penalties = field(default_factory=Penalties)  # this row's repetition knobs (rows of a batch may differ)
+    ngrams: NgramIndex | None = None  # no_repeat_ngram_size > 0: the n-grams of prompt + committed answer
 
     def known(self, q: int) -> bool:
         return q < self.prompt_len or self.answer[q - self.prompt_len] is not None
@@ -97,6 +101,33 @@ class Decoder:
             logits[..., self.mask_id] = float("-inf")  # the mask token is never an answer token
         return sample(logits, self.cfg.temperature, self.cfg.top_p, self.gen)
 
+    def _penalised(self, rows: list[Row], logits: Tensor, targets: list[list[int]]) -> Tensor:
+        """Repetition knobs (engine/penalties.py) on logits [B, N, V] whose [b, j] scores position targets[b][j]:
+        every candidate of a step, before confidence and sampling, so they steer what the unmasking rule commits.
+        Rows with the knobs off (the default) are untouched; a batch without any is returned as it is. This runs on
+        the logits whatever produced them, CausalLM.forward or the static stepper (CUDA graphs), so both honour the
+        knobs with no separate path."""
+        on = [b for b, r in enumerate(rows) if r.pen.active]
+        if not on:
+            return logits
+        x = logits.float()
+        logits = x.clone() if x is logits else x  # never write into the caller's tensor (a CUDA graph's output)
+        scaled = [b for b in on if rows[b].pen.scales]
+        if scaled:
+            idx = torch.tensor(scaled, device=logits.device)
+            ctx = [self._answer_so_far(rows[b]) for b in scaled]
+            logits[idx] = apply_scales(logits[idx], [rows[b].prompt for b in scaled], ctx,
+                                       [rows[b].pen for b in scaled])
+        bans = [(b, j, rows[b].ngrams.banned(q)) for b in on if rows[b].ngrams is not None
+                for j, q in enumerate(targets[b])]
+        return ban(logits, bans)
+
+    @staticmethod
+    def _answer_so_far(row: Row) -> list[int]:
+        """Committed answer tokens, in any order (masked gaps skipped), through the earliest stop token."""
+        end = len(row.answer) if row.stop_at is None else row.stop_at - row.prompt_len + 1
+        return [t for t in row.answer[:end] if t is not None]
+
     def _new_cache(self, batch: int, max_len: int) -> KVCache:
         if self.stepper is not None:
             return self.stepper.new_cache(batch, max_len)
@@ -125,6 +156,8 @@ class Decoder:
 
     def _commit(self, row: Row, q: int, tok: int, conf: float, out: list[Token]) -> None:
         row.answer[q - row.prompt_len] = tok
+        if row.ngrams is not None:
+            row.ngrams.add(q, tok)
         out.append(Token(q - row.prompt_len, tok, self.tb.piece(tok), conf))
         if tok in self.stop_ids and (row.stop_at is None or q < row.stop_at):
             row.stop_at = q
@@ -166,9 +199,10 @@ class Decoder:
         self._emit("done", row, -1, [], [])
 
     # ---------------------------------------------------------------- public entry
-    def run(self, prompts: list[list[int]]) -> list[Summary]:
-        """Decode a whole batch to the end (what Engine.generate_ids does)."""
-        rows = self.new_rows(prompts)
+    def run(self, prompts: list[list[int]], penalties: list[Penalties] | None = None) -> list[Summary]:
+        """Decode a whole batch to the end (what Engine.generate_ids does); penalties: per-row repetition knobs
+        (default: the DecodeConfig's for every row)."""
+        rows = self.new_rows(prompts, penalties=penalties)
         with torch.inference_mode():
             batch = self.prefill(prompts, rows)
             while batch.rows and not self._cancelled(batch.rows):
@@ -178,14 +212,17 @@ class Decoder:
 
     def new_rows(self, prompts: list[list[int]], *, indices: list[int] | None = None,
                  max_new: list[int] | None = None, listeners: list[Listener | None] | None = None,
-                 cancels: list[Cancel | None] | None = None) -> list[Row]:
-        """Fresh rows for prompts; a scheduler gives each its own index (event.row), answer cap, listener and
-        stop flag (the rest of the DecodeConfig is the batch's)."""
+                 cancels: list[Cancel | None] | None = None,
+                 penalties: list[Penalties] | None = None) -> list[Row]:
+        """Fresh rows for prompts; a scheduler gives each its own index (event.row), answer cap, listener, stop
+        flag and repetition knobs (the rest of the DecodeConfig is the batch's)."""
         t0, skip = time.perf_counter(), self.stop_ids | self.tb.special
         caps = max_new or [self.cfg.max_new_tokens] * len(prompts)
+        pens = penalties or [Penalties.of(self.cfg)] * len(prompts)
         return [Row(indices[i] if indices else i, len(p), len(p) + caps[i], IncrementalDetokenizer(self.tb, skip),
                     [None] * caps[i], t0=t0, listener=listeners[i] if listeners else None,
-                    cancel=cancels[i] if cancels else None)
+                    cancel=cancels[i] if cancels else None, prompt=list(p), pen=pens[i],
+                    ngrams=NgramIndex(pens[i].no_repeat_ngram, p, len(p) + caps[i]) if pens[i].no_repeat_ngram else None)
                 for i, p in enumerate(prompts)]
 
     def _max_len(self, rows: list[Row]) -> int:
@@ -304,7 +341,8 @@ class Decoder:
         self._commit_ar(batch, logits, "step")
 
     def _commit_ar(self, batch: Batch, logits: Tensor, kind: str) -> None:
-        tok, conf = self._sample(logits[:, -1])
+        nxt = [[r.prompt_len + r.emitted_ar] for r in batch.rows]
+        tok, conf = self._sample(self._penalised(batch.rows, logits[:, -1:], nxt)[:, 0])
         writes: list[tuple[int, int, int]] = []
         for b, (r, t, c) in enumerate(zip(batch.rows, *self._to_host(tok, conf))):
             r.nfe += 1
@@ -420,7 +458,7 @@ class Decoder:
                        refreshed: list[bool]) -> None:
         cfg, bs, sbs = self.cfg, self.cfg.block_size, self.cfg.sub_block_size
         kinds = [kinds] * len(rows) if isinstance(kinds, str) else kinds
-        tok, conf = self._sample(logits)
+        tok, conf = self._sample(self._penalised(rows, logits, targets))
         tok_l, conf_l = self._to_host(tok, conf)
         writes: list[tuple[int, int, int]] = []
         for b, (r, kind, tq) in enumerate(zip(rows, kinds, targets)):
@@ -441,6 +479,8 @@ class Decoder:
                 n_sub = sum(1 for q in tq if q < lo + sbs)
                 c = torch.tensor(conf_l[b][:n_sub])
                 chosen = select_commits(c, cfg.strategy, cfg.threshold, cfg.factor).tolist()
+                if r.ngrams is not None:
+                    chosen = self._no_new_repeats(r, tq[:n_sub], tok_l[b], conf_l[b], chosen)
                 masked: list[Token] = []
                 for j, q in enumerate(tq):
                     if j < n_sub and chosen[j]:
@@ -452,6 +492,20 @@ class Decoder:
                 self._emit("prefill" if kind == "prefill" else "step", r, k, committed, masked)
             self._check_done(r)
         self._write_tokens(seq, writes)
+
+    @staticmethod
+    def _no_new_repeats(r: Row, qs: list[int], toks: list[int], confs: list[float], chosen: list[bool]) -> list[bool]:
+        """no_repeat_ngram_size: the step's commits, most confident first; one that would form a repeated n-gram
+        with those already accepted stays masked (the logits bans cover each position alone, not two at once).
+        The most confident is always accepted: its bans were computed on this step's known tokens, so it is
+        safe, and every step still commits at least one token."""
+        assert r.ngrams is not None
+        keep = [False] * len(chosen)
+        for n, j in enumerate(sorted((j for j, c in enumerate(chosen) if c), key=lambda j: -confs[j])):
+            if n == 0 or not r.ngrams.creates_repeat(qs[j], toks[j]):
+                keep[j] = True
+                r.ngrams.add(qs[j], toks[j])
+        return keep
 
     def _check_done(self, r: Row) -> None:
         if r.done:

@@ -2,7 +2,8 @@
 block diffusion).
 
 One worker thread owns the model. Requests whose settings give the same forward (the DecodeConfig less
-max_new_tokens: mode, block and sub-block size, cache, unmasking rule, sampling) share a batch; a request that
+max_new_tokens and the repetition knobs, which each row applies to its own logits: mode, block and sub-block size,
+cache, unmasking rule, sampling) share a batch; a request that
 arrives while that batch decodes is prefilled on its own and merged into it before the next forward, so it never
 waits for the batch to finish. Batches with different settings take turns, one forward each. A request's stop
 flag drops its own row before the next forward; the other rows carry on.
@@ -18,6 +19,7 @@ import torch
 
 from .config import DecodeConfig
 from .decode import Batch, Decoder, Row
+from .penalties import Penalties
 from .engine import Engine, Result
 from .events import Event, Listener, Summary, Trace
 
@@ -30,9 +32,11 @@ class SchedulerBusy(RuntimeError):
 
 
 def batch_key(cfg: DecodeConfig) -> tuple:
-    """Requests with equal keys share forwards: every setting but the per-row answer cap (and the seed, which
-    greedy decoding never reads)."""
-    return astuple(replace(cfg, max_new_tokens=1, seed=cfg.seed if cfg.temperature > 0 else None))
+    """Requests with equal keys share forwards: every setting but the per-row answer cap, the per-row repetition
+    knobs (Decoder.new_rows takes them row by row) and the seed, which greedy decoding never reads."""
+    return astuple(replace(cfg, max_new_tokens=1, seed=cfg.seed if cfg.temperature > 0 else None,
+                           repetition_penalty=1.0, frequency_penalty=0.0, presence_penalty=0.0,
+                           no_repeat_ngram_size=0))
 
 
 @dataclass(eq=False)
@@ -170,7 +174,8 @@ class Scheduler:
                                               self.engine.tb)
             try:
                 rows = dec.new_rows([t.ids for t in ts], indices=[0] * len(ts), max_new=[t.cfg.max_new_tokens for t in ts],
-                                    listeners=[t.on_event for t in ts], cancels=[t.stop for t in ts])
+                                    listeners=[t.on_event for t in ts], cancels=[t.stop for t in ts],
+                                    penalties=[Penalties.of(t.cfg) for t in ts])
                 for t, r in zip(ts, rows):
                     t.row = r
                 new = dec.prefill([t.ids for t in ts], rows)

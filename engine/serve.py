@@ -1,7 +1,9 @@
 """The OpenAI-compatible HTTP layer over the scheduler: /v1/models, /v1/chat/completions, /v1/completions.
 
 Decoding knobs ride as extra body fields (mode, threshold, strategy, factor, block_size, sub_block_size, cache)
-and are validated by DecodeConfig, so a bad one gets HTTP 400 naming it, as in the CLI and the studio. `usage`
+and are validated by DecodeConfig, so a bad one gets HTTP 400 naming it, as in the CLI and the studio. The
+repetition knobs: OpenAI's frequency_penalty and presence_penalty, and vLLM's extra repetition_penalty and
+no_repeat_ngram_size (engine/penalties.py has their meanings); null means the default, off. `usage`
 adds NFE, tokens per forward and engine seconds; `denoise_events: true` streams the trace's per-forward events
 (engine/events.py) with the text, so any client can draw the live denoising view.
 """
@@ -25,7 +27,8 @@ from .events import Event, Summary
 from .scheduler import MAX_BATCH, Scheduler, SchedulerBusy, Ticket
 
 KNOBS = ("mode", "block_size", "sub_block_size", "threshold", "strategy", "factor", "cache")
-AT_DEFAULT = {"n": 1, "presence_penalty": 0, "frequency_penalty": 0, "logprobs": False}  # accepted, not implemented
+PENALTIES = ("frequency_penalty", "presence_penalty", "repetition_penalty", "no_repeat_ngram_size")
+AT_DEFAULT = {"n": 1, "logprobs": False}  # accepted, not implemented
 MAX_PROMPT_CHARS = 200_000  # tokenising is cheap, not free: bound it before the context check
 MAX_STOPS = 4
 FINISH = {"stop_token": "stop", "stop_string": "stop", "max_new_tokens": "length", "cancelled": "stop"}
@@ -111,12 +114,13 @@ def parse(body: Any, chat: bool, engine: Engine, model_id: str) -> ApiRequest:
     for k, default in AT_DEFAULT.items():
         if body.get(k) not in (None, default):
             raise ApiError(400, f"{k}: not supported; only {k} = {json.dumps(default)} (got {body[k]!r})", k)
-    known = set(KNOBS) | set(AT_DEFAULT) | {"model", "messages", "prompt", "stream", "stream_options", "user",
-                                            "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed",
-                                            "stop", "denoise_events"}
+    known = set(KNOBS) | set(PENALTIES) | set(AT_DEFAULT) | {
+        "model", "messages", "prompt", "stream", "stream_options", "user", "max_tokens", "max_completion_tokens",
+        "temperature", "top_p", "seed", "stop", "denoise_events"}
     unknown = sorted(set(body) - known)
     if unknown:
-        raise ApiError(400, f"{unknown[0]}: unknown parameter; decoding knobs: {', '.join(KNOBS)}", unknown[0])
+        raise ApiError(400, f"{unknown[0]}: unknown parameter; decoding knobs: {', '.join(KNOBS + PENALTIES)}",
+                       unknown[0])
     where = "messages" if chat else "prompt"
     ids, prompt, user_text = None, "", None
     if chat:
@@ -132,7 +136,7 @@ def parse(body: Any, chat: bool, engine: Engine, model_id: str) -> ApiRequest:
         raise ApiError(400, f"{where}: longer than {MAX_PROMPT_CHARS} characters", where)
     name = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
     knobs = {"mode": "diffusion" if engine.can_diffuse else "ar"} | {k: body[k] for k in KNOBS if k in body}
-    for k in ("temperature", "top_p", "seed"):
+    for k in ("temperature", "top_p", "seed") + PENALTIES:
         if body.get(k) is not None:
             knobs[k] = body[k]
     if body.get(name) is not None:
