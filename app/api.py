@@ -47,6 +47,7 @@ class SweepRow(TypedDict):
     answer_tokens: float
     seconds: float
     stop_reason: str
+    finish: str  # complete | capped | looping | cancelled | context (engine/finish.py), or e.g. "capped 1/2"
 
 
 class TraceCheck(TypedDict):
@@ -131,8 +132,9 @@ def register(studio: Studio, defaults: dict[str, Any], slots: int = SLOTS) -> No
 
     def race(message: str, settings: dict[str, Any], repeats: int = 1) -> dict[str, Any]:
         """Decode one prompt by block diffusion and by the AR baseline, `repeats` times interleaved (1-5).
-        Returns the median runs' summaries, every run, and the speed-up (median and range of the pairs' ratios).
-        Streams {running, run, text} while decoding."""
+        Returns the median runs' summaries, every run, each run's finish (complete | looping | capped | ...), a
+        headline, the time to a complete answer, and the tokens/s speed-up (median and range of the pairs' ratios)
+        only when every answer of both sides finished (else null). Streams {running, run, text} while decoding."""
         yield from studio.race(message, settings, repeats)
 
     def sweep(message: str, thresholds: list[float], block_sizes: list[int], settings: dict[str, Any],

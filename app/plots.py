@@ -98,7 +98,8 @@ def heatmap_figure(trace: Trace | None) -> go.Figure:
 
 def sweep_figure(rows: list[dict[str, Any]]) -> go.Figure:
     """Median tokens/s (bars: the range over repeats) and tokens/forward against threshold, a line per block size.
-    Both y-axes start at zero, so differences are not magnified."""
+    Both y-axes start at zero, so differences are not magnified. A point whose answer did not finish (cut at the
+    cap, looping: engine/finish.py) is drawn as an open ✕ and says so on hover: its speed is not a speed-up."""
     if not rows:
         return empty_figure("Run a sweep to plot tokens/s and tokens/forward against threshold.")
     fig = make_subplots(rows=1, cols=2, subplot_titles=("tokens/s (engine time, median and range)",
@@ -106,6 +107,10 @@ def sweep_figure(rows: list[dict[str, Any]]) -> go.Figure:
     for k, bs in enumerate(sorted({r["block_size"] for r in rows})):
         pts = sorted((r for r in rows if r["block_size"] == bs), key=lambda r: r["threshold"])
         colour = PALETTE[k % len(PALETTE)]
+        done = [p.get("finish", "complete") == "complete" for p in pts]
+        symbols = ["circle" if ok else "x-thin-open" for ok in done]
+        notes = ["complete" if ok else f"did not finish ({html.escape(str(p.get('finish')))}): not a speed-up"
+                 for ok, p in zip(done, pts)]
         for col, key in ((1, "tokens_per_second"), (2, "tokens_per_forward")):
             err = None
             if key == "tokens_per_second":
@@ -115,10 +120,14 @@ def sweep_figure(rows: list[dict[str, Any]]) -> go.Figure:
             fig.add_trace(go.Scatter(
                 x=[p["threshold"] for p in pts], y=[p[key] for p in pts], mode="lines+markers", error_y=err,
                 name=f"block {bs}", legendgroup=str(bs), showlegend=col == 1, line=dict(color=colour),
-                customdata=[[p["nfe"], p["answer_tokens"], p["runs"]] for p in pts],
+                marker=dict(symbol=symbols, size=[7 if ok else 11 for ok in done], line=dict(width=2, color=colour)),
+                customdata=[[p["nfe"], p["answer_tokens"], p["runs"], n] for p, n in zip(pts, notes)],
                 hovertemplate=("threshold %{x}<br>%{y:.2f}<br>NFE %{customdata[0]} · %{customdata[1]} tokens · "
-                               "%{customdata[2]} run(s)<extra>block " + str(bs) + "</extra>")), row=1, col=col)
-    fig = _layout(fig, "", 380)
+                               "%{customdata[2]} run(s)<br>%{customdata[3]}<extra>block " + str(bs) + "</extra>")),
+                row=1, col=col)
+    unfinished = sum(r.get("finish", "complete") != "complete" for r in rows)
+    fig = _layout(fig, (f"✕ = the answer did not finish (cut at the token limit or looping) at {unfinished} of "
+                        f"{len(rows)} points: its speed is not a speed-up") if unfinished else "", 400)
     fig.update_xaxes(title="threshold", range=[min(r["threshold"] for r in rows) - 0.05, 1.05])
     fig.update_yaxes(rangemode="tozero")
     return fig

@@ -18,9 +18,9 @@ from markdown_it import MarkdownIt
 
 from engine import Event, Summary
 
-from .card import PAPER_URL, Measured
+from .card import PAPER_URL, LongAnswers, Measured
+from .verdict import STOPPED, Verdict, finish_of, finish_phrase, race_verdict
 
-STOPPED = "cancelled"  # the engine's stop_reason when Stop ended a decode
 EXPLAIN = Path(__file__).resolve().parent.parent / "static" / "explain.html"
 
 _FENCE = re.compile(r"(```.*?(?:```|$)|`[^`\n]*`)", re.S)
@@ -52,7 +52,8 @@ def escape_chat(text: str) -> str:
 
 
 def chat_display(convo: list[dict[str, Any]]) -> list[dict[str, str]]:
-    """The chatbot's messages: the raw conversation with HTML escaped for display; a stopped answer says so."""
+    """The chatbot's messages: the raw conversation with HTML escaped for display; a stopped answer says so, and one
+    that hit the length cap or loops carries a warning badge (the rule of engine/finish.py, kept in "finish")."""
     out = []
     for m in convo:
         if m["role"] == "system":
@@ -60,6 +61,11 @@ def chat_display(convo: list[dict[str, Any]]) -> list[dict[str, str]]:
         text = escape_chat(m["content"]) if m["content"] else "*(empty answer)*"
         if m.get("stopped"):
             text += "\n\n*(stopped: Stop cut the answer off here)*"
+        fin = m.get("finish") if isinstance(m.get("finish"), dict) else {}
+        badges = [b for b in fin.get("badges", ()) if isinstance(b, str)]
+        if badges:
+            kind = "looping" if fin.get("label") == "looping" else "unfinished"
+            text += "\n\n" + " ".join(f'<span class="fd-finish fd-finish-{kind}">{esc(b)}</span>' for b in badges)
         out.append({"role": m["role"], "content": text})
     return out
 
@@ -99,11 +105,27 @@ def banner_html(lm: Any, can_diffuse: bool, title: str = "", measured: Measured 
                 f'AR base\'s accuracy</b> at threshold {threshold:g} ({acc:.3f} vs {measured.ar_accuracy:.3f} on '
                 f'{esc(measured.set.split(" (")[0])}; model card). It shows the mechanics, not the paper\'s '
                 f'speed-ups: at {tpf:.2f} tokens per forward diffusion is still slower than AR on a CPU, where a '
-                'block-diffusion forward costs several AR steps (model card).</div>')
+                f'block-diffusion forward costs several AR steps (model card).{long_html(measured.long)}</div>')
     elif lm.source.adapter:
         note = ('<div class="fd-honest" id="fd-honest">This adapter has no measurements in '
                 '<code>assets/MODEL_CARD.md</code>: run <code>python -m bench quality</code> to measure it.</div>')
     return f'<div class="fd-banner"><div class="fd-banner-row">{" ".join(parts)}</div>{note}</div>'
+
+
+def long_html(la: LongAnswers | None) -> str:
+    """The banner's long-answer line: how often answers finish and loop, dLLM vs AR, and tokens per forward over
+    complete answers only (the parallelism that is not repetition)."""
+    if la is None:
+        return ""
+    tpf = ""
+    if la.tokens_per_forward_complete is not None:
+        tpf = (f' Over complete, non-looping answers it decodes <b>{la.tokens_per_forward_complete:.2f} tokens per '
+               f'forward</b>' + (f' ({la.tokens_per_forward_all:.2f} over all: loops are easy to predict several '
+                                 f'tokens at a time)' if la.tokens_per_forward_all is not None else '') + '.')
+    return (f'<span class="fd-long" id="fd-long"><b>Long answers:</b> it ends <b>{_pct(la.stop_rate)}</b> of them with '
+            f'its stop token (AR base <b>{_pct(la.ar_stop_rate)}</b>) and loops on <b>{_pct(la.loop_rate)}</b> '
+            f'(AR base <b>{_pct(la.ar_loop_rate)}</b>).{tpf} <span class="fd-long-src">({esc(la.set)}; '
+            f'{esc(la.source)})</span></span>')
 
 
 def explain_html() -> str:
@@ -146,41 +168,80 @@ def spread(values: list[float]) -> tuple[float, float, float]:
     return statistics.median(values), min(values), max(values)
 
 
-def meter_cards(s: Summary | dict[str, Any], title: str = "", tps_runs: list[float] | None = None) -> str:
-    """Engine-time meters of one run (never UI time); with repeats, tokens/s is the median and its range."""
+UNFINISHED_TIP = "not a speed: the answer did not finish (a loop is easy to predict several tokens at a time)"
+
+
+def meter_cards(s: Summary | dict[str, Any], title: str = "", tps_runs: list[float] | None = None,
+                knobs: str = "") -> str:
+    """Engine-time meters of one run (never UI time); with repeats, tokens/s is the median and its range.
+    An answer that did not finish (cut at the cap, looping, stopped) says so, and its tokens/s and tokens/forward
+    are greyed out: they are not a speed."""
     d = _as_dict(s)
+    f = finish_of(d)
     tps, tps_tip = _fmt(float(d["tokens_per_second"]), 1), "answer tokens per second of engine time"
     if tps_runs and len(tps_runs) > 1:
         med, lo, hi = spread(tps_runs)
         tps = f'{_fmt(med, 1)}<span class="fd-card-range">{_fmt(lo, 1)}–{_fmt(hi, 1)}</span>'
         tps_tip = f"median of {len(tps_runs)} runs, and their range (engine time)"
     stopped = d["stop_reason"] == STOPPED
-    cards = [("tokens/s", tps, tps_tip),
+    why = finish_phrase(f, int(d["answer_tokens"]))
+    fin = "stopped" if stopped else f.label
+    fin_tip = ("complete: ended with the stop token and does not loop" if f.complete else
+               f"did not finish: {why} (stop reason: {str(d['stop_reason']).replace('_', ' ')})")
+    speed_tip = "" if f.complete else UNFINISHED_TIP
+    cards = [("tokens/s", tps, speed_tip or tps_tip),
              ("NFE", str(int(d["nfe"])), "forwards (network function evaluations), prefill and commits included"),
-             ("tokens/forward", _fmt(float(d["tokens_per_forward"])), "answer tokens per forward: 1.0 for AR"),
+             ("tokens/forward", _fmt(float(d["tokens_per_forward"])), speed_tip or "answer tokens per forward: 1.0 for AR"),
              ("TTFT", _duration(float(d["ttft"])), "engine time to the first committed token"),
              ("tokens", str(int(d["answer_tokens"])), "answer tokens, through the stop token"),
              ("time", _duration(float(d["seconds"])), "engine seconds (tokenisation and UI excluded)"),
-             ("stop", "stopped" if stopped else esc(str(d["stop_reason"]).replace("_", " ")), "why decoding ended")]
-    body = "".join(f'<div class="fd-card" data-k="{esc(k)}" title="{esc(tip)}"><div class="fd-card-v">{v}</div>'
-                   f'<div class="fd-card-k">{esc(k)}</div></div>' for k, v, tip in cards)
+             ("stop", esc(fin), fin_tip)]
+    muted = ("tokens/s", "tokens/forward") if not f.complete else ()
+    body = "".join(f'<div class="fd-card{" fd-card-muted" if k in muted else ""}" data-k="{esc(k)}" '
+                   f'title="{esc(tip)}"><div class="fd-card-v">{v}</div>'
+                   f'<div class="fd-card-k">{esc("finish" if k == "stop" else k)}</div></div>' for k, v, tip in cards)
     head = f'<div class="fd-meter-title">{esc(title)}</div>' if title else ""
-    return f'<div class="fd-meter{" fd-stopped" if stopped else ""}">{head}<div class="fd-cards">{body}</div></div>'
+    note = ""
+    if not f.complete:
+        note = (f'<div class="fd-unfinished-note" data-finish="{esc(fin)}">⚠ Did not finish ({esc(why)}): tokens/s '
+                'and tokens/forward are greyed out; they are not a speed-up when the answer did not finish.</div>')
+    if knobs:
+        note += f'<div class="fd-knobs-line" data-knobs="on">{esc(knobs)}</div>'
+    cls = "fd-meter" + (" fd-stopped" if stopped else "") + ("" if f.complete else " fd-unfinished")
+    return f'<div class="{cls}" data-finish="{esc(fin)}">{head}<div class="fd-cards">{body}</div>{note}</div>'
 
 
 def meters_html(summary: Summary | dict[str, Any] | None, title: str = "", ar: Summary | dict[str, Any] | None = None,
-                note: str = "") -> str:
-    """Meters of a run, plus the AR baseline and the speed ratio when one is known for the same prompt."""
+                note: str = "", knobs: str = "") -> str:
+    """Meters of a run, plus the AR baseline and the comparison when one is known for the same prompt: time to a
+    complete answer, and tokens/s only when both answers finished."""
     if summary is None:
         return '<div class="fd-meter fd-empty">Meters appear when an answer finishes.</div>'
-    out = meter_cards(summary, title)
+    out = meter_cards(summary, title, knobs=knobs)
     if ar is not None:
-        ratio = float(_as_dict(summary)["tokens_per_second"]) / max(float(_as_dict(ar)["tokens_per_second"]), 1e-9)
         out += meter_cards(ar, "AR baseline (same prompt)")
-        out += (f'<div class="fd-ratio">diffusion / AR speed: <b>{ratio:.2f}×</b> tokens/s (engine time, one run '
-                f'each) · {forwards_phrase(int(_as_dict(summary)["nfe"]), int(_as_dict(ar)["nfe"]))}</div>')
+        out += verdict_html(race_verdict([summary], [ar]), summary, ar)
     if note:
         out += f'<div class="fd-meter-note">{esc(note)}</div>'
+    return out
+
+
+def verdict_html(v: Verdict | None, d: Summary | dict[str, Any] | None = None,
+                 a: Summary | dict[str, Any] | None = None) -> str:
+    """The race headline: who finished, time to a complete answer; the tokens/s ratio only when both finished."""
+    if v is None:
+        return ""
+    cls = "fd-verdict" + ("" if v.comparable else " fd-verdict-unfinished")
+    out = f'<div class="{cls}" data-comparable="{str(v.comparable).lower()}">{esc(v.headline)}</div>'
+    if v.comparable and v.speedup is not None and v.speedup_range is not None:
+        lo, hi = v.speedup_range
+        n = len(v.finished["diffusion"])
+        rng = f" (range {lo:.2f}–{hi:.2f}× over {n} interleaved pairs)" if n > 1 else " (one run each)"
+        fw = ""
+        if d is not None and a is not None:
+            fw = f" · {forwards_phrase(int(_as_dict(d)['nfe']), int(_as_dict(a)['nfe']))}"
+        out += (f'<div class="fd-ratio">diffusion / AR speed: <b>{v.speedup:.2f}×</b> tokens/s{rng}{fw} · '
+                f'engine time, same prompt and max tokens</div>')
     return out
 
 
@@ -200,22 +261,18 @@ def _median_run(runs: list[Summary]) -> Summary:
 
 
 def race_html(diffs: list[Summary], ars: list[Summary], status: str) -> str:
-    """Both meters (median run of the repeats, tokens/s range) and the speed ratio of a race."""
+    """Both meters (median run of the repeats, tokens/s range) and the race's verdict: time to a complete answer,
+    which side did not finish, and the tokens/s ratio only when both finished."""
     out = [f'<div class="fd-race-status">{esc(status)}</div>']
+    n = min(len(diffs), len(ars))
+    if n:
+        out.append(verdict_html(race_verdict(diffs, ars), _median_run(diffs[:n]), _median_run(ars[:n])))
     if diffs:
         out.append(meter_cards(_median_run(diffs), f"Fast-dLLM v2 (block diffusion) · {len(diffs)} run(s)",
                                [r.tokens_per_second for r in diffs]))
     if ars:
         out.append(meter_cards(_median_run(ars), f"AR baseline · {len(ars)} run(s)",
                                [r.tokens_per_second for r in ars]))
-    n = min(len(diffs), len(ars))
-    if n:
-        ratios = [d.tokens_per_second / max(a.tokens_per_second, 1e-9) for d, a in zip(diffs, ars)]
-        med, lo, hi = spread(ratios)
-        rng = f" (range {lo:.2f}–{hi:.2f}× over {n} interleaved pairs)" if n > 1 else " (one run each)"
-        d, a = _median_run(diffs[:n]), _median_run(ars[:n])
-        out.append(f'<div class="fd-ratio">diffusion / AR speed: <b>{med:.2f}×</b> tokens/s{rng} · '
-                   f'{forwards_phrase(d.nfe, a.nfe)} · engine time, same prompt and max tokens</div>')
     return "".join(out)
 
 
@@ -228,6 +285,9 @@ def live_payload(run: str, seq: int, events: list[Event], header: dict[str, Any]
         d["head"] = header
     if summary is not None:
         d["sum"] = {k: v for k, v in asdict(summary).items() if k not in ("text", "token_ids")}
+        f = finish_of(summary)  # the live view's badge: complete, capped, looping, ...
+        d["sum"]["finish"] = {"label": f.label, "complete": f.complete, "repeat_share": f.repeat_share,
+                              "why": finish_phrase(f, summary.answer_tokens)}
     return json.dumps(d, ensure_ascii=False, separators=(",", ":"))
 
 

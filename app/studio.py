@@ -11,6 +11,7 @@ from engine import ConfigError, DecodeConfig, Engine, Event, Result
 
 from .settings import BLOCK_SIZES, check_repeats, fit_sub_block, to_config
 from .stream import decode_stream, set_engine
+from .verdict import race_verdict, sweep_finish
 
 MAX_MESSAGE_CHARS = 20_000
 MAX_SYSTEM_CHARS = MAX_MESSAGE_CHARS
@@ -147,7 +148,9 @@ class Studio:
         diffusion, AR, ...) so slow drifts of a shared machine hit both alike; never side by side.
 
         Yields {running: mode, run: n, text: answer so far} once per frame, last the median runs' summaries,
-        every run's summary and the speed-up (median of the pairs' ratios, and its range).
+        every run's summary, each run's finish (complete | looping | capped | ...), the headline, the median time
+        to a complete answer per side, and the tokens/s speed-up (median of the pairs' ratios, and its range) only
+        when every answer of both sides finished (else None: a loop is not a speed).
         """
         repeats = check_repeats(repeats)
         preps = self.race_preps(message, settings)
@@ -161,12 +164,15 @@ class Studio:
                         else:
                             runs[prep.cfg.mode].append(x)
         diffs, ars = ([r.summary for r in runs[m]] for m in ("diffusion", "ar"))
-        ratios = [d.tokens_per_second / max(a.tokens_per_second, 1e-9) for d, a in zip(diffs, ars)]
         diff, ar = (sorted(xs, key=lambda r: r.tokens_per_second)[(len(xs) - 1) // 2] for xs in (diffs, ars))
+        v = race_verdict(diffs, ars)
+        assert v is not None
         yield {"order": "interleaved: diffusion, AR, diffusion, AR, ... (one run at a time)", "repeats": repeats,
                "diffusion": summary_dict(Result(diff, None)), "ar": summary_dict(Result(ar, None)),
                "runs": {m: [summary_dict(r) for r in runs[m]] for m in runs},
-               "speedup": statistics.median(ratios), "speedup_range": [min(ratios), max(ratios)],
+               "finish": v.finished, "comparable": v.comparable, "headline": v.headline,
+               "time_to_complete": v.time_to_complete, "speedup": v.speedup,
+               "speedup_range": list(v.speedup_range) if v.speedup_range else None,
                "nfe_ratio": ar.nfe / max(diff.nfe, 1)}
 
     def sweep_plan(self, message: str, thresholds: Any, block_sizes: Any, settings: dict | None) -> list[Prepared]:
@@ -202,7 +208,7 @@ class Studio:
                 "tokens_per_second": round(med("tokens_per_second"), 3), "tokens_per_second_min": round(min(tps), 3),
                 "tokens_per_second_max": round(max(tps), 3), "tokens_per_forward": round(med("tokens_per_forward"), 3),
                 "nfe": round(med("nfe"), 1), "answer_tokens": round(med("answer_tokens"), 1),
-                "seconds": round(med("seconds"), 4), "stop_reason": ss[-1].stop_reason}
+                "seconds": round(med("seconds"), 4), "stop_reason": ss[-1].stop_reason, "finish": sweep_finish(ss)}
 
     def sweep(self, message: str, thresholds: list | None = None, block_sizes: list | None = None,
               settings: dict | None = None, repeats: int = 1) -> Iterator[list[dict[str, Any]]]:

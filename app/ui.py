@@ -18,6 +18,7 @@ from engine import ConfigError, Event, Result, Trace
 from . import api, plots, render
 from .api import SLOTS, engine_slots, error
 from .card import measured_for
+from .verdict import finish_record
 from .settings import BLOCK_SIZES, INFO, MAX_NEW_TOKENS, MAX_REPEATS, PRESETS, SETTING_KEYS, SWEEP_THRESHOLDS, \
     check_repeats, defaults, divisors, fit_sub_block, settings_from_widgets
 from .stream import cancel_event, release, request_stop, stop_scope
@@ -28,7 +29,7 @@ STATIC = Path(__file__).resolve().parent.parent / "static"
 MAX_SESSION_TRACES = 24
 QUEUE_SIZE = 16  # requests waiting for a decoding slot (FASTDLLM_QUEUE_SIZE); one more is refused at once
 SWEEP_COLUMNS = ("threshold", "block_size", "sub_block_size", "runs", "tokens_per_second", "tokens_per_second_min",
-                 "tokens_per_second_max", "tokens_per_forward", "nfe", "answer_tokens", "seconds", "stop_reason")
+                 "tokens_per_second_max", "tokens_per_forward", "nfe", "answer_tokens", "seconds", "stop_reason", "finish")
 EXAMPLES = ["What is the capital of France?", "Write a haiku about the sea.",
             "List three uses for a paperclip.", "Explain in two sentences why the sky is blue."]
 
@@ -343,7 +344,8 @@ def build(studio: Studio, slots: int = SLOTS) -> gr.Blocks:
             start = {msg: "", send: gr.update(interactive=False), stop: gr.update(interactive=True)}
             result, last = yield from live_run(prep, run_key(request, "chat"), live, start, bubble)
             stopped = result.summary.stop_reason == render.STOPPED
-            reply = {"role": "assistant", "content": result.text, **({"stopped": True} if stopped else {})}
+            reply = {"role": "assistant", "content": result.text, **({"stopped": True} if stopped else {}),
+                     "finish": finish_record(result.summary)}
             new_conv = conv + [user, reply]
             new_trs = _entry(result.trace, trs, "chat · ", _key(prep))
             ar = None

@@ -146,7 +146,7 @@
       this.done = null;
       this.empty.hidden = true;
       this.root.classList.toggle("fd-ar", this.mode === "ar");
-      this.root.classList.remove("fd-is-stopped");
+      this.root.classList.remove("fd-is-stopped", "fd-is-unfinished");
       this.setStatus("running", this.mode === "ar" ? "AR baseline · one token per forward" : "block diffusion");
       this.renderStats();
     }
@@ -316,9 +316,16 @@
       if (summary) {
         this.done = summary;
         const stopped = summary.stop_reason === "cancelled";
+        // the server judges the answer (engine/finish.py); a trace file's summary has no verdict: plain "done"
+        const fin = summary.finish && typeof summary.finish === "object" ? summary.finish : null;
+        const unfinished = !stopped && fin !== null && fin.complete === false;
         this.root.classList.toggle("fd-is-stopped", stopped);
-        this.setStatus(stopped ? "stopped" : "done", `${stopped ? "Stop pressed: the answer was cut off" : String(summary.stop_reason).replace(/_/g, " ")} · ` +
-          `${fmt(summary.tokens_per_second, 1)} tok/s engine · ${summary.nfe} forwards · ${fmt(summary.tokens_per_forward)} tokens/forward`);
+        this.root.classList.toggle("fd-is-unfinished", unfinished);
+        const label = stopped ? "stopped" : unfinished ? (fin.label === "looping" ? "looping" : "unfinished") : "done";
+        const speed = `${fmt(summary.tokens_per_second, 1)} tok/s engine · ${summary.nfe} forwards · ${fmt(summary.tokens_per_forward)} tokens/forward`;
+        this.setStatus(label, stopped ? `Stop pressed: the answer was cut off · ${speed}` :
+          unfinished ? `did not finish: ${String(fin.why || fin.label)} · ${speed} (not a speed-up)` :
+          `${String(summary.stop_reason).replace(/_/g, " ")} · ${speed}`);
       } else if (!this.done) {
         this.done = { stop_reason: "done" };
         this.setStatus("done", "finished");

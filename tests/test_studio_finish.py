@@ -1,0 +1,166 @@
+"""The studio never presents a loop as speed (issue 21, part 5): answers that hit the cap or loop are marked in the
+chat bubble, the meters, the live view, the race and the sweep; the race compares time to a complete answer and
+gives a tokens/s ratio only when both sides finished; the banner shows the long-answer stop and loop rates.
+
+Every decode here is real (the bundled model through the studio's API or in headless Chromium), capped with a
+small max_new_tokens so the tests are fast and their outcome deterministic.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import pytest
+
+from app import plots, render
+from app.card import front_matter, long_answers, measured_for
+from app.verdict import finish_record, race_verdict
+from engine import Summary, Trace
+
+HAIKU = "Write a haiku about the sea."
+LOOP = "that\nThe is a beautiful poem that\n" * 12  # the issue's loop
+XSS = "<img src=x onerror=alert(1)>"
+
+
+def _summary(stop: str, text: str, n: int = 17, seconds: float = 1.0, tps: float = 5.0, nfe: int = 10) -> Summary:
+    return Summary(answer_tokens=n, nfe=nfe, tokens_per_forward=n / nfe, seconds=seconds, tokens_per_second=tps,
+                   ttft=0.1, stop_reason=stop, text=text, token_ids=[])
+
+
+@pytest.fixture(scope="module")
+def capped(client, server):
+    """A real chat turn cut at 8 tokens: (text, summary)."""
+    text, trace = client.predict(HAIKU, [], {"max_new_tokens": 8, "mode": server.mode}, api_name="/generate")
+    s = Trace.loads(trace).summary
+    assert s.stop_reason == "max_new_tokens" and s.answer_tokens == 8
+    return text, s
+
+
+# ---------------------------------------------------------------- chat bubble and meters
+def test_capped_answer_is_marked_in_bubble_and_meters(capped):
+    text, s = capped
+    rec = finish_record(s)
+    assert rec["label"] in ("capped", "looping") and not rec["complete"]
+    assert rec["badges"][0] == "⚠ cut at 8 tokens — did not finish"
+    shown = render.chat_display([{"role": "user", "content": HAIKU},
+                                 {"role": "assistant", "content": text, "finish": rec}])[1]["content"]
+    assert '<span class="fd-finish fd-finish-' in shown and "cut at 8 tokens — did not finish" in shown
+    meters = render.meters_html(s, "diffusion · engine time")
+    assert 'data-finish="capped"' in meters or 'data-finish="looping"' in meters
+    assert meters.count("fd-card-muted") == 2  # tokens/s and tokens/forward greyed out
+    assert "⚠ Did not finish (cut at 8 tokens" in meters and "not a speed-up" in meters
+
+
+def test_complete_answer_is_not_marked():
+    s = _summary("stop_token", "Waves kiss the shore,\nsalt wind hums an old song,\nthe tide keeps its time.")
+    rec = finish_record(s)
+    assert rec == {"label": "complete", "complete": True, "repeat_share": 0.0, "badges": []}
+    assert "fd-finish" not in render.chat_display([{"role": "assistant", "content": s.text, "finish": rec}])[0][
+        "content"]
+    meters = render.meters_html(s)
+    assert "fd-card-muted" not in meters and "fd-unfinished" not in meters and 'data-finish="complete"' in meters
+
+
+def test_looping_answer_is_marked_even_when_it_stopped():
+    s = _summary("stop_token", LOOP, n=120)
+    rec = finish_record(s)
+    assert rec["label"] == "looping"
+    assert len(rec["badges"]) == 1 and rec["badges"][0].startswith("⚠ repeats itself (")
+    assert "% repeated word 4-grams)" in rec["badges"][0]
+    meters = render.meters_html(s)
+    assert 'data-finish="looping"' in meters and meters.count("fd-card-muted") == 2
+
+
+def test_model_output_is_escaped_beside_the_badges():
+    s = _summary("max_new_tokens", (XSS + " ") * 10, n=64)
+    shown = render.chat_display([{"role": "assistant", "content": s.text, "finish": finish_record(s)}])[0]["content"]
+    assert "<img" not in shown and "&lt;img" in shown and '<span class="fd-finish' in shown
+    # a finish record that came back from the browser state with hostile fields is escaped too
+    evil = render.chat_display([{"role": "assistant", "content": "x",
+                                 "finish": {"label": XSS, "badges": [XSS]}}])[0]["content"]
+    assert "<img" not in evil and "fd-finish-unfinished" in evil
+    for html in (render.meters_html(s, XSS, _summary("stop_token", XSS)),
+                 render.race_html([s], [_summary("stop_token", XSS)], XSS)):
+        assert "<img" not in html
+
+
+def test_live_view_payload_carries_the_verdict(capped):
+    _, s = capped
+    d = json.loads(render.live_payload("r", 0, [], summary=s))
+    assert d["sum"]["finish"]["complete"] is False and d["sum"]["finish"]["why"].startswith("cut at 8 tokens")
+
+
+# ---------------------------------------------------------------- race
+def test_race_with_an_unfinished_side_gives_no_speed_ratio():
+    ar = _summary("stop_token", "Waves kiss the shore,\nsalt wind hums an old song,\nthe tide keeps its time.",
+                  seconds=1.0, tps=17.0)
+    loop = _summary("max_new_tokens", LOOP, n=256, seconds=9.0, tps=28.0, nfe=130)
+    v = race_verdict([loop], [ar])
+    assert not v.comparable and v.speedup is None and v.finished == {"diffusion": ["looping"], "ar": ["complete"]}
+    assert v.headline.startswith("dLLM did not finish (cut at 256 tokens, looping); AR finished in 1.0 s.")
+    html = render.race_html([loop], [ar], "Done")
+    assert "dLLM did not finish (cut at 256 tokens, looping); AR finished in 1.0 s" in html
+    assert "fd-ratio" not in html and "tokens/s</b>" not in html and "1.65×" not in html
+    both = render.race_html([_summary("stop_token", "a b c", seconds=0.5, tps=10.0)], [ar], "Done")
+    assert "Both finished. Time to a complete answer: dLLM 500 ms, AR 1.0 s (dLLM 2.00× faster)" in both
+    assert "diffusion / AR speed: <b>0.59×</b> tokens/s" in both
+    # one diffusion run of three looped: still no ratio, and the headline says how many
+    mixed = race_verdict([ar, loop, ar], [ar, ar, ar])
+    assert mixed.speedup is None and mixed.headline.startswith("dLLM did not finish in 1 of 3 runs (cut at 256")
+
+
+def test_race_api_reports_finish_and_compares_only_finished_answers(client, server):
+    if not server.engine.can_diffuse:
+        pytest.skip("race needs the Fast-dLLM v2 adapter")
+    race = client.predict(HAIKU, {"max_new_tokens": 4}, 1, api_name="/race")  # both cut at 4 tokens
+    assert race["finish"] == {"diffusion": ["capped"], "ar": ["capped"]}
+    assert race["comparable"] is False and race["speedup"] is None and race["speedup_range"] is None
+    assert race["headline"].startswith("dLLM did not finish (cut at 4 tokens); AR did not finish (cut at 4 tokens).")
+    assert race["time_to_complete"] == {"diffusion": None, "ar": None}
+    # the AR base writes its 17-token haiku and stops: with room for it, AR finishes; the dLLM's side is judged
+    race = client.predict(HAIKU, {"max_new_tokens": 24}, 1, api_name="/race")
+    assert race["finish"]["ar"] == ["complete"] and race["time_to_complete"]["ar"] > 0
+    d = race["runs"]["diffusion"][0]
+    if race["finish"]["diffusion"] == ["complete"]:
+        assert race["comparable"] and race["speedup"] == pytest.approx(
+            d["tokens_per_second"] / race["runs"]["ar"][0]["tokens_per_second"])
+    else:
+        assert race["speedup"] is None and race["headline"].startswith("dLLM did not finish (")
+        assert "AR finished in " in race["headline"]
+
+
+# ---------------------------------------------------------------- sweep
+def test_sweep_marks_points_that_did_not_finish(client, server):
+    if not server.engine.can_diffuse:
+        pytest.skip("sweep needs the Fast-dLLM v2 adapter")
+    rows = client.predict(HAIKU, [0.9], [32], {"max_new_tokens": 4}, 1, api_name="/sweep")
+    assert [r["finish"] for r in rows] == ["capped"]
+    fig = plots.sweep_figure(rows + [{**rows[0], "threshold": 1.0, "finish": "complete"}])
+    marker = fig.data[0].marker
+    assert list(marker.symbol) == ["x-thin-open", "circle"]
+    assert "did not finish" in fig.layout.title.text and "1 of 2 points" in fig.layout.title.text
+    assert fig.data[0].customdata[0][3].startswith("did not finish (capped)")
+    evil = plots.sweep_figure([{**rows[0], "finish": XSS}])
+    assert "<img" not in json.dumps(evil.to_dict())
+
+
+# ---------------------------------------------------------------- banner
+def test_banner_shows_long_answer_stop_and_loop_rates(engine):
+    m = measured_for(engine.lm.source.adapter)
+    assert m is not None and m.long is not None
+    fm = front_matter()
+    assert m.long == long_answers(fm)
+    banner = render.banner_html(engine.lm, True, "t", m, 0.9)
+    pct = lambda x: f"{100 * x:.0f}%"  # noqa: E731
+    assert (f"ends <b>{pct(fm['long_stop_rate'])}</b> of them with its stop token (AR base "
+            f"<b>{pct(fm['ar_long_stop_rate'])}</b>)") in banner
+    assert f"loops on <b>{pct(fm['long_loop_rate'])}</b> (AR base <b>{pct(fm['ar_long_loop_rate'])}</b>)" in banner
+    assert f"<b>{fm['tokens_per_forward_complete']:.2f} tokens per forward</b>" in banner
+    assert "over complete, non-looping answers" in banner.lower() and esc_in(fm["long_source"], banner)
+    # without the keys the line is not there (and nothing breaks)
+    assert "fd-long" not in render.banner_html(engine.lm, True, "t", replace(m, long=None), 0.9)
+    assert long_answers({"long_stop_rate": 0.4}) is None
+
+
+def esc_in(text: str, html: str) -> bool:
+    return render.esc(text) in html
