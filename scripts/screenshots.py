@@ -31,7 +31,8 @@ def shoot(browser, url: str, out: Path, width: int, height: int, theme: str, com
     pg.wait_for_timeout(300)
     pg.screenshot(path=str(out))
     pg.click("#fd-stop")
-    pg.wait_for_selector("#fd-live .fd-badge-stopped, #fd-live .fd-badge-done", timeout=60_000)
+    pg.wait_for_selector("#fd-live .fd-badge-stopped, #fd-live .fd-badge-done, #fd-live .fd-badge-unfinished, "
+                         "#fd-live .fd-badge-looping", timeout=60_000)
     pg.close()
     print(out)
 

@@ -21,6 +21,8 @@ ROOT = Path(__file__).resolve().parent.parent
 ARTIFACTS = ROOT / "artifacts"
 MAX_NEW = 48
 XSS = "<img src=x onerror=window.__xss=1>"
+# the live view's badge once a decode has ended by itself: done (complete), or did not finish (capped, looping)
+ENDED = "#fd-live .fd-badge-done, #fd-live .fd-badge-unfinished, #fd-live .fd-badge-looping"
 
 
 def _chromium() -> str | None:
@@ -135,7 +137,7 @@ def test_live_view_denoises_step_by_step(page):
       }).observe(root, {subtree: true, childList: true, attributes: true, attributeFilter: ['class']});
     }""")
     _send(pg, "Write a haiku about the sea.")
-    pg.wait_for_selector("#fd-live .fd-badge-done", timeout=240_000)
+    pg.wait_for_selector(ENDED, timeout=240_000)
     samples = pg.evaluate("window.__fdCounts")
     masked_then_done = [s for s in samples if s[0] > 0 and s[1] > 0]
     assert masked_then_done, f"never saw masked and committed cells together: {samples[:10]}"
@@ -245,7 +247,7 @@ def test_heatmap_fills_its_panel_after_tab_switches(page):
     _settings(pg, **{"max-new": 8})
     _send(pg, "Hi")
     pg.wait_for_selector("#fd-live .fd-badge-running", timeout=60_000)
-    pg.wait_for_selector("#fd-live .fd-badge-done", timeout=60_000)
+    pg.wait_for_selector(ENDED, timeout=60_000)
     pg.wait_for_timeout(500)
     pg.get_by_role("tab", name="Heatmap").click()
     assert _heatmap_fill(pg) > 0.9
@@ -262,7 +264,7 @@ def test_stop_shows_a_stopped_state(page):
     pg.wait_for_function("document.querySelectorAll('#fd-live .fd-cell.fd-done').length >= 3", timeout=120_000)
     pg.click("#fd-stop")
     pg.wait_for_selector("#fd-live .fd-badge-stopped", timeout=60_000)
-    assert pg.locator("#fd-live .fd-badge-done").count() == 0
+    assert pg.locator(ENDED).count() == 0
     assert "Stop pressed" in pg.locator("#fd-live .fd-status").inner_text()
     pg.wait_for_function("document.querySelector('#fd-chat').innerText.includes('stopped')", timeout=20_000)
     assert pg.locator('#fd-meters .fd-card[data-k="stop"] .fd-card-v').inner_text() == "stopped"
@@ -300,7 +302,7 @@ def test_clearing_by_every_control_empties_the_state(page):
         pg.locator(clear).first.click()
         pg.wait_for_function("!document.querySelector('#fd-chat .message-row')", timeout=10_000)
         _send(pg, "Hi")
-        pg.wait_for_selector("#fd-live .fd-badge-done", timeout=60_000)
+        pg.wait_for_selector(ENDED, timeout=60_000)
         pg.wait_for_function("document.querySelectorAll('#fd-chat .message-row').length >= 2")
         assert _messages(pg) == 2, clear  # the cleared turns did not come back
         prompt_len = pg.evaluate("document.querySelector('#fd-live .fd-live-root').fdLive.r.head.prompt_len")
@@ -359,7 +361,7 @@ def test_phone_layout_shows_the_live_view_while_streaming(browser):
                            "return [g.scrollWidth, g.clientWidth]; })()")
         assert grid[0] <= grid[1] + 1, grid  # block rows wrap instead of overflowing
         pg.click("#fd-stop")
-        pg.wait_for_selector("#fd-live .fd-badge-stopped, #fd-live .fd-badge-done", timeout=60_000)
+        pg.wait_for_selector(f"#fd-live .fd-badge-stopped, {ENDED}", timeout=60_000)
         pg.screenshot(path=str(ARTIFACTS / "screenshot_phone.png"), full_page=False)
     finally:
         pg.close()

@@ -164,3 +164,56 @@ def test_banner_shows_long_answer_stop_and_loop_rates(engine):
 
 def esc_in(text: str, html: str) -> bool:
     return render.esc(text) in html
+
+
+# ---------------------------------------------------------------- in the browser (headless Chromium)
+def test_browser_marks_a_capped_answer_and_race(server):
+    """Bubble badge, greyed meters, live badge, the race's "did not finish" headline without a tokens/s ratio, and
+    the banner's stop and loop rates, as a visitor sees them."""
+    from test_browser import ARTIFACTS, CHROMIUM, _send, _settings, sync_playwright
+
+    if sync_playwright is None or CHROMIUM is None:
+        pytest.skip("needs playwright and a Chromium binary")
+    ARTIFACTS.mkdir(exist_ok=True)
+    fm = front_matter()
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
+        pg = browser.new_page(viewport={"width": 1440, "height": 1000})
+        errors: list[str] = []
+        pg.on("pageerror", lambda e: errors.append(str(e)))
+        pg.goto(server.url)
+        pg.wait_for_selector(".fd-live-root .fd-legend", timeout=30_000)
+        long = pg.locator("#fd-long").inner_text()
+        for k in ("long_stop_rate", "ar_long_stop_rate", "long_loop_rate", "ar_long_loop_rate"):
+            assert f"{100 * fm[k]:.0f}%" in long, (k, long)
+        assert f"{fm['tokens_per_forward_complete']:.2f} tokens per forward" in long
+        # a chat answer cut at 8 tokens
+        _settings(pg, **{"max-new": 8})
+        _send(pg, HAIKU)
+        pg.wait_for_selector("#fd-live .fd-badge-unfinished, #fd-live .fd-badge-looping", timeout=60_000)
+        assert "did not finish: cut at 8 tokens" in pg.locator("#fd-live .fd-status").inner_text()
+        badge = pg.locator("#fd-chat .fd-finish").first
+        badge.wait_for(timeout=20_000)
+        assert badge.inner_text() == "⚠ cut at 8 tokens — did not finish"
+        assert pg.locator('#fd-meters .fd-card[data-k="stop"] .fd-card-v').inner_text() in ("capped", "looping")
+        muted = pg.locator("#fd-meters .fd-card-muted")
+        assert muted.count() == 2
+        assert float(muted.first.evaluate("e => getComputedStyle(e).opacity")) < 0.6  # greyed out, visibly
+        assert "Did not finish (cut at 8 tokens" in pg.locator("#fd-meters").inner_text()
+        pg.screenshot(path=str(ARTIFACTS / "screenshot_unfinished.png"))
+        # the race, both sides cut at 8 tokens: no tokens/s ratio, a plain headline
+        pg.get_by_role("tab", name="Race").click()
+        pg.locator("#fd-race-msg textarea, #fd-race-msg input").first.fill(HAIKU)
+        reps = pg.locator("#fd-race-reps input[type=number]")
+        reps.fill("1")
+        reps.press("Enter")
+        pg.click("#fd-race")
+        pg.wait_for_selector("#fd-race-meters .fd-verdict", timeout=60_000)
+        verdict = pg.locator("#fd-race-meters .fd-verdict").inner_text()
+        assert verdict.startswith("dLLM did not finish (cut at 8 tokens") and "AR did not finish (cut at 8" in verdict
+        assert "No speed comparison" in verdict
+        assert pg.locator("#fd-race-meters .fd-ratio").count() == 0
+        assert "tokens/s (" not in pg.locator("#fd-race-meters").inner_text()
+        pg.locator("#fd-race-meters").screenshot(path=str(ARTIFACTS / "screenshot_race_unfinished.png"))
+        browser.close()
+    assert not errors, errors
