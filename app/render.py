@@ -19,6 +19,7 @@ from markdown_it import MarkdownIt
 from engine import Event, Summary
 
 from .card import PAPER_URL, LongAnswers, Measured
+from .settings import knobs_summary
 from .verdict import STOPPED, Verdict, finish_of, finish_phrase, race_verdict
 
 EXPLAIN = Path(__file__).resolve().parent.parent / "static" / "explain.html"
@@ -151,6 +152,14 @@ def presets_html(presets: list[dict[str, Any]], measured: Measured | None, strat
     return f'<div class="fd-presets"{data}>{head}{num}</div>'
 
 
+def knobs_html(settings: dict[str, Any]) -> str:
+    """The settings summary line: which repetition knobs are on (escaped: values may come from a browser)."""
+    line = knobs_summary(settings)
+    on = "on" if line else "off"
+    text = line or "Repetition knobs: all off (see Decoding settings)."
+    return f'<div class="fd-knobs" data-knobs="{on}">{esc(text)}</div>'
+
+
 def _as_dict(s: Summary | dict[str, Any]) -> dict[str, Any]:
     return s if isinstance(s, dict) else asdict(s)
 
@@ -191,7 +200,8 @@ def meter_cards(s: Summary | dict[str, Any], title: str = "", tps_runs: list[flo
     speed_tip = "" if f.complete else UNFINISHED_TIP
     cards = [("tokens/s", tps, speed_tip or tps_tip),
              ("NFE", str(int(d["nfe"])), "forwards (network function evaluations), prefill and commits included"),
-             ("tokens/forward", _fmt(float(d["tokens_per_forward"])), speed_tip or "answer tokens per forward: 1.0 for AR"),
+             ("tokens/forward", _fmt(float(d["tokens_per_forward"])),
+              speed_tip or "answer tokens per forward: 1.0 for AR"),
              ("TTFT", _duration(float(d["ttft"])), "engine time to the first committed token"),
              ("tokens", str(int(d["answer_tokens"])), "answer tokens, through the stop token"),
              ("time", _duration(float(d["seconds"])), "engine seconds (tokenisation and UI excluded)"),
@@ -260,10 +270,13 @@ def _median_run(runs: list[Summary]) -> Summary:
     return sorted(runs, key=lambda r: r.tokens_per_second)[(len(runs) - 1) // 2]
 
 
-def race_html(diffs: list[Summary], ars: list[Summary], status: str) -> str:
+def race_html(diffs: list[Summary], ars: list[Summary], status: str, knobs: str = "") -> str:
     """Both meters (median run of the repeats, tokens/s range) and the race's verdict: time to a complete answer,
-    which side did not finish, and the tokens/s ratio only when both finished."""
+    which side did not finish, and the tokens/s ratio only when both finished. `knobs`: which repetition knobs
+    both sides ran with (knobs_summary)."""
     out = [f'<div class="fd-race-status">{esc(status)}</div>']
+    if knobs:
+        out.append(f'<div class="fd-knobs-line" data-knobs="on">{esc(knobs)}</div>')
     n = min(len(diffs), len(ars))
     if n:
         out.append(verdict_html(race_verdict(diffs, ars), _median_run(diffs[:n]), _median_run(ars[:n])))

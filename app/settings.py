@@ -12,7 +12,17 @@ from engine import ConfigError, DecodeConfig
 BLOCK_SIZES = (8, 16, 32, 64)
 MAX_NEW_TOKENS = 1024
 MAX_REPEATS = 5  # race and sweep: runs per point, for a median and a spread
-PRESETS: list[dict[str, Any]] = json.loads((Path(__file__).with_name("presets.json")).read_text("utf-8"))["presets"]
+_PRESETS_FILE: dict[str, Any] = json.loads((Path(__file__).with_name("presets.json")).read_text("utf-8"))
+PRESETS: list[dict[str, Any]] = _PRESETS_FILE["presets"]
+# The repetition knobs (issue 21 part 4), engine semantics in engine/config.py: each with its "off" value. The
+# studio's starting values are data (presets.json "defaults"), so the lead can turn one on without touching code.
+KNOBS = ("repetition_penalty", "frequency_penalty", "presence_penalty", "no_repeat_ngram_size")
+KNOB_OFF: dict[str, float | int] = {"repetition_penalty": 1.0, "frequency_penalty": 0.0, "presence_penalty": 0.0,
+                                    "no_repeat_ngram_size": 0}
+KNOB_DEFAULTS: dict[str, float | int] = {**KNOB_OFF, **{k: v for k, v in _PRESETS_FILE.get("defaults", {}).items()
+                                                        if k in KNOB_OFF}}
+KNOB_NAMES = {"repetition_penalty": "repetition penalty", "frequency_penalty": "frequency penalty",
+              "presence_penalty": "presence penalty", "no_repeat_ngram_size": "no-repeat n-gram size"}
 DEFAULT_SYSTEM = "You are a helpful assistant."
 SWEEP_THRESHOLDS = (0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0)
 
@@ -37,11 +47,22 @@ INFO = {
              "(used when temperature > 0).",
     "seed": "-1 = a fresh random seed each run; a number ≥ 0 makes sampling reproducible.",
     "system_prompt": "Sent as the system message before the conversation (leave empty for none).",
+    "repetition_penalty": "1 = off. Above 1 divides (or multiplies, if negative) the logit of every token already "
+                          "in the prompt or answer, so repeats get less likely (transformers' rule; up to 10).",
+    "frequency_penalty": "0 = off. Subtracts this × (times the token is already in the answer) from its logit "
+                         "(OpenAI's rule, -2 to 2).",
+    "presence_penalty": "0 = off. Subtracts this from the logit of every token already in the answer, once "
+                        "(OpenAI's rule, -2 to 2).",
+    "no_repeat_ngram_size": "0 = off. n > 0 never lets the answer repeat an n-token sequence of the prompt or "
+                            "answer (transformers' rule, up to 64).",
 }
 
 CONFIG_KEYS = ("mode", "block_size", "sub_block_size", "threshold", "strategy", "factor", "cache",
                "max_new_tokens", "temperature", "top_p", "seed")
 SETTING_KEYS = CONFIG_KEYS + ("system_prompt",)
+# The settings widgets' order: the knobs come last, so a caller that passes only SETTING_KEYS' values (older code,
+# tests) gets the studio's knob defaults (to_config fills them).
+WIDGET_KEYS = SETTING_KEYS + KNOBS
 
 
 def divisors(n: int) -> list[int]:
@@ -60,7 +81,27 @@ def defaults(can_diffuse: bool, block_size: int = 32) -> dict[str, Any]:
     return {"mode": "diffusion" if can_diffuse else "ar", "block_size": block_size,
             "sub_block_size": fit_sub_block(block_size, d.sub_block_size), "threshold": d.threshold,
             "strategy": d.strategy, "factor": d.factor, "cache": d.cache, "max_new_tokens": d.max_new_tokens,
-            "temperature": d.temperature, "top_p": d.top_p, "seed": -1, "system_prompt": DEFAULT_SYSTEM}
+            "temperature": d.temperature, "top_p": d.top_p, "seed": -1, **KNOB_DEFAULTS,
+            "system_prompt": DEFAULT_SYSTEM}
+
+
+def knobs_on(settings: Any) -> dict[str, float | int]:
+    """The repetition knobs that are on (not at their off value) in a settings dict or a DecodeConfig."""
+    get = settings.get if isinstance(settings, dict) else lambda k, d=None: getattr(settings, k, d)
+    out = {}
+    for k, off in KNOB_OFF.items():
+        v = get(k, off)
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and v != off:
+            out[k] = v
+    return out
+
+
+def knobs_summary(settings: Any) -> str:
+    """One line saying which repetition knobs are on ("" when none is)."""
+    on = knobs_on(settings)
+    if not on:
+        return ""
+    return "Repetition knobs on: " + " · ".join(f"{KNOB_NAMES[k]} {v:g}" for k, v in on.items())
 
 
 def _int_like(v: Any) -> Any:
@@ -83,8 +124,10 @@ def to_config(engine: Any, settings: dict[str, Any] | None, **overrides: Any) ->
     if unknown:
         raise ConfigError(unknown[0], f"unknown setting; known: {', '.join(sorted(known | {'system_prompt'}))}")
     s.setdefault("mode", "diffusion" if engine.can_diffuse else "ar")  # the app's default, as /info says
+    for k, v in KNOB_DEFAULTS.items():  # the studio's repetition knobs (presets.json), as /info says
+        s.setdefault(k, v)
     s.update(overrides)
-    for k in ("block_size", "sub_block_size", "max_new_tokens", "seed"):
+    for k in ("block_size", "sub_block_size", "max_new_tokens", "seed", "no_repeat_ngram_size"):
         if k in s:
             s[k] = _int_like(s[k])
     check_limits(s)
@@ -114,5 +157,7 @@ def check_repeats(repeats: Any) -> int:
 
 
 def settings_from_widgets(*values: Any) -> dict[str, Any]:
-    """The settings dict from the widgets' values, in SETTING_KEYS order."""
-    return dict(zip(SETTING_KEYS, values))
+    """The settings dict from the widgets' values, in WIDGET_KEYS order (trailing knobs may be left out)."""
+    if len(values) > len(WIDGET_KEYS):
+        raise ConfigError("settings", f"expected at most {len(WIDGET_KEYS)} widget values (got {len(values)})")
+    return dict(zip(WIDGET_KEYS, values))

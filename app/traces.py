@@ -147,7 +147,9 @@ def parse_trace(data: bytes | str) -> Trace:
 # how each setting is named in replay labels; the diffusion-only ones are left out of AR runs' labels
 LABEL_NAMES = {"block_size": "block", "sub_block_size": "sub-block", "threshold": "threshold", "strategy": "strategy",
                "factor": "factor", "cache": "cache", "max_new_tokens": "max tokens", "temperature": "temperature",
-               "top_p": "top-p", "seed": "seed"}
+               "top_p": "top-p", "seed": "seed", "repetition_penalty": "repetition penalty",
+               "frequency_penalty": "frequency penalty", "presence_penalty": "presence penalty",
+               "no_repeat_ngram_size": "no-repeat n-gram"}
 DIFFUSION_ONLY = ("block_size", "sub_block_size", "threshold", "strategy", "factor", "cache")
 
 

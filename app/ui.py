@@ -18,18 +18,19 @@ from engine import ConfigError, Event, Result, Trace
 from . import api, plots, render
 from .api import SLOTS, engine_slots, error
 from .card import measured_for
-from .verdict import finish_record
-from .settings import BLOCK_SIZES, INFO, MAX_NEW_TOKENS, MAX_REPEATS, PRESETS, SETTING_KEYS, SWEEP_THRESHOLDS, \
-    check_repeats, defaults, divisors, fit_sub_block, settings_from_widgets
+from .settings import BLOCK_SIZES, INFO, KNOBS, MAX_NEW_TOKENS, MAX_REPEATS, PRESETS, SWEEP_THRESHOLDS, \
+    WIDGET_KEYS, check_repeats, defaults, divisors, fit_sub_block, knobs_on, knobs_summary, settings_from_widgets
 from .stream import cancel_event, release, request_stop, stop_scope
 from .studio import Prepared, Studio
 from .traces import MAX_TRACE_BYTES, TraceError, parse_trace, trace_label
+from .verdict import finish_record
 
 STATIC = Path(__file__).resolve().parent.parent / "static"
 MAX_SESSION_TRACES = 24
 QUEUE_SIZE = 16  # requests waiting for a decoding slot (FASTDLLM_QUEUE_SIZE); one more is refused at once
 SWEEP_COLUMNS = ("threshold", "block_size", "sub_block_size", "runs", "tokens_per_second", "tokens_per_second_min",
-                 "tokens_per_second_max", "tokens_per_forward", "nfe", "answer_tokens", "seconds", "stop_reason", "finish")
+                 "tokens_per_second_max", "tokens_per_forward", "nfe", "answer_tokens", "seconds", "stop_reason",
+                 "finish")
 EXAMPLES = ["What is the capital of France?", "Write a haiku about the sea.",
             "List three uses for a paperclip.", "Explain in two sentences why the sky is blue."]
 
@@ -120,8 +121,8 @@ def run_key(request: gr.Request, panel: str) -> str:
 
 
 def _key(prep: Prepared) -> str:
-    """Runs with the same prompt ids and length budget are comparable (AR vs diffusion meters)."""
-    return f"{hash(tuple(prep.ids))}:{prep.cfg.max_new_tokens}"
+    """Runs with the same prompt ids, length budget and repetition knobs are comparable (AR vs diffusion meters)."""
+    return f"{hash(tuple(prep.ids))}:{prep.cfg.max_new_tokens}:{sorted(knobs_on(prep.cfg).items())}"
 
 
 def _replay_outputs(traces: list[dict], index: int) -> tuple[Any, str, Any, Any, str]:
@@ -173,6 +174,7 @@ def build(studio: Studio, slots: int = SLOTS) -> gr.Blocks:
                     clear = gr.Button("Clear chat", size="sm", scale=0, min_width=90, elem_id="fd-clear")
                 presets_info = gr.HTML(render.presets_html(PRESETS, measured, d["strategy"], d["threshold"]),
                                        js_on_load=None, elem_id="fd-presets", visible=eng.can_diffuse)
+                knobs_info = gr.HTML(render.knobs_html(d), js_on_load=None, elem_id="fd-knobs")
                 with gr.Accordion("Decoding settings", open=False, elem_id="fd-settings"):
                     with gr.Row():
                         mode = gr.Radio(["diffusion", "ar"] if eng.can_diffuse else ["ar"], value=d["mode"],
@@ -199,6 +201,22 @@ def build(studio: Studio, slots: int = SLOTS) -> gr.Blocks:
                     with gr.Row():
                         top_p = gr.Slider(0.05, 1.0, value=d["top_p"], step=0.01, label="top-p", info=INFO["top_p"])
                         seed = gr.Number(value=d["seed"], precision=0, minimum=-1, label="seed", info=INFO["seed"])
+                    gr.Markdown("**Repetition knobs** (all off by default; applied to every candidate a diffusion "
+                                "step scores, and to AR)", elem_id="fd-knobs-head")
+                    with gr.Row():
+                        rep_pen = gr.Slider(0.5, 2.0, value=d["repetition_penalty"], step=0.05,
+                                            label="repetition penalty", info=INFO["repetition_penalty"],
+                                            elem_id="fd-repetition-penalty")
+                        no_repeat = gr.Number(value=d["no_repeat_ngram_size"], precision=0,
+                                              label="no-repeat n-gram size", info=INFO["no_repeat_ngram_size"],
+                                              elem_id="fd-no-repeat-ngram-size")
+                    with gr.Row():
+                        freq_pen = gr.Slider(-2.0, 2.0, value=d["frequency_penalty"], step=0.05,
+                                             label="frequency penalty", info=INFO["frequency_penalty"],
+                                             elem_id="fd-frequency-penalty")
+                        pres_pen = gr.Slider(-2.0, 2.0, value=d["presence_penalty"], step=0.05,
+                                             label="presence penalty", info=INFO["presence_penalty"],
+                                             elem_id="fd-presence-penalty")
                     system = gr.Textbox(value=d["system_prompt"], label="system prompt", info=INFO["system_prompt"],
                                         lines=1)
             with gr.Column(scale=6, min_width=340, elem_id="fd-live-col"):
@@ -269,8 +287,10 @@ def build(studio: Studio, slots: int = SLOTS) -> gr.Blocks:
                 sweep_plot = gr.Plot(plots.sweep_figure([]), show_label=False, elem_id="fd-sweep-plot")
                 sweep_table = gr.Dataframe(headers=list(SWEEP_COLUMNS), interactive=False, label="runs")
 
-        widgets = [mode, block, sub, threshold, strategy, factor, cache, max_new, temperature, top_p, seed, system]
-        assert len(widgets) == len(SETTING_KEYS)
+        knob_widgets = [rep_pen, freq_pen, pres_pen, no_repeat]
+        widgets = [mode, block, sub, threshold, strategy, factor, cache, max_new, temperature, top_p, seed, system,
+                   *knob_widgets]
+        assert len(widgets) == len(WIDGET_KEYS)
         private = dict(api_visibility="private", queue=False)
 
         # ------------------------------------------------------------------ settings plumbing (not API)
@@ -281,11 +301,15 @@ def build(studio: Studio, slots: int = SLOTS) -> gr.Blocks:
         gr.on([threshold.change, strategy.change],
               lambda s, t: render.presets_html(PRESETS, measured, s, float(t)),
               [strategy, threshold], presets_info, **private)
-        for p, b in zip(PRESETS, preset_btns):
+        for p, b in zip(PRESETS, preset_btns):  # a preset sets its threshold, and any repetition knob it lists
             b.click(lambda p=p: (gr.update(value=p["settings"].get("strategy", "threshold")),
                                  gr.update(value=p["settings"].get("threshold", d["threshold"])),
-                                 gr.update(value="diffusion")),
-                    None, [strategy, threshold, mode], **private)
+                                 gr.update(value="diffusion"),
+                                 *(gr.update(value=p["settings"][k]) if k in p["settings"] else gr.skip()
+                                   for k in KNOBS)),
+                    None, [strategy, threshold, mode, *knob_widgets], **private)
+        gr.on([w.change for w in knob_widgets], lambda *v: render.knobs_html(dict(zip(KNOBS, v))), knob_widgets,
+              knobs_info, **private)
 
         # ------------------------------------------------------------------ streaming one decode into a live view
         def live_run(prep: Prepared, key: str, view: gr.HTML, first: dict | None = None, extra=None,
@@ -356,7 +380,8 @@ def build(studio: Studio, slots: int = SLOTS) -> gr.Blocks:
                 "Race this prompt (Race tab) or send it in AR mode to compare."
             pick, pl, hm, dl, meta = _replay_outputs(new_trs, len(new_trs) - 1)
             yield {chatbot: render.chat_display(new_conv), convo: new_conv, live: last,
-                   meters: render.meters_html(result.summary, f"{prep.cfg.mode} · engine time", ar, note),
+                   meters: render.meters_html(result.summary, f"{prep.cfg.mode} · engine time", ar, note,
+                                              knobs=knobs_summary(prep.cfg)),
                    traces: new_trs, replay_pick: pick, player: pl, heatmap: hm, download: dl, replay_meta: meta}
 
         chat_args = ([msg, convo, traces, *widgets], chat_outputs)
@@ -447,7 +472,8 @@ def build(studio: Studio, slots: int = SLOTS) -> gr.Blocks:
                         else:
                             status = f"Done: {reps} interleaved run(s) each."
                         out = {views[mode]: last, race_meters: render.race_html(
-                            [r.summary for r in runs["diffusion"]], [r.summary for r in runs["ar"]], status)}
+                            [r.summary for r in runs["diffusion"]], [r.summary for r in runs["ar"]], status,
+                            knobs_summary(prep.cfg))}
                         if stopped and mode == "diffusion" and not runs["ar"]:
                             out[race_ar] = render.live_clear(message="Not run: the race was stopped during the "
                                                                      "diffusion run.")
@@ -475,7 +501,8 @@ def build(studio: Studio, slots: int = SLOTS) -> gr.Blocks:
             total = len(plan) * reps
             with stop_scope(key):  # one flag for the whole sweep, before Stop is enabled: none lost between points
                 yield {sweep_btn: gr.update(interactive=False, value=f"Running 0/{total}…"),
-                       sweep_stop: gr.update(interactive=True), sweep_status: ""}
+                       sweep_stop: gr.update(interactive=True), sweep_status: render.knobs_html(plan[0].cfg.to_dict())
+                       if knobs_on(plan[0].cfg) else ""}
                 for i, prep in enumerate(plan):
                     results: list[Result] = []
                     for k in range(reps):

@@ -166,16 +166,59 @@ def esc_in(text: str, html: str) -> bool:
     return render.esc(text) in html
 
 
+# ---------------------------------------------------------------- repetition knobs (issue 21 part 4, the studio's half)
+def test_knob_defaults_are_data_and_off():
+    from app.settings import KNOB_DEFAULTS, KNOB_OFF, KNOBS, _PRESETS_FILE, defaults, knobs_summary
+
+    assert set(KNOBS) == set(KNOB_OFF) == set(_PRESETS_FILE["defaults"])  # one place: presets.json "defaults"
+    assert KNOB_DEFAULTS == _PRESETS_FILE["defaults"] == KNOB_OFF  # off until the lead measures on-values
+    d = defaults(True)
+    assert {k: d[k] for k in KNOBS} == KNOB_DEFAULTS and knobs_summary(d) == ""
+    assert knobs_summary({**d, "repetition_penalty": 1.3, "no_repeat_ngram_size": 3}) == \
+        "Repetition knobs on: repetition penalty 1.3 · no-repeat n-gram size 3"
+    assert 'data-knobs="off"' in render.knobs_html(d) and "all off" in render.knobs_html(d)
+    assert XSS not in render.knobs_html({"repetition_penalty": XSS})
+
+
+def test_knobs_reach_the_engine_and_the_trace(client, server):
+    info = client.predict(api_name="/info")
+    for k in ("repetition_penalty", "frequency_penalty", "presence_penalty", "no_repeat_ngram_size"):
+        assert k in info["defaults"] and k in info["settings_help"]
+    settings = {"max_new_tokens": 24, "mode": server.mode, "no_repeat_ngram_size": 3, "repetition_penalty": 1.3}
+    text, trace = client.predict(HAIKU, [], settings, api_name="/generate")
+    cfg = Trace.loads(trace).header["config"]
+    assert cfg["no_repeat_ngram_size"] == 3 and cfg["repetition_penalty"] == 1.3
+    ids = Trace.loads(trace).summary.token_ids  # the engine applied it: no token 3-gram of the answer repeats
+    grams = list(zip(ids, ids[1:], ids[2:]))
+    assert len(ids) >= 8 and len(set(grams)) == len(grams), text
+    from app.traces import settings_label
+
+    assert "repetition penalty 1.3 · no-repeat n-gram 3" in settings_label(cfg)
+    meters = render.meters_html(Trace.loads(trace).summary, knobs="Repetition knobs on: x")
+    assert 'class="fd-knobs-line" data-knobs="on">Repetition knobs on: x<' in meters
+
+
+@pytest.mark.parametrize("settings, words", [
+    ({"no_repeat_ngram_size": 99}, "no_repeat_ngram_size: must be an integer in [0, 64]"),
+    ({"no_repeat_ngram_size": 2.5}, "no_repeat_ngram_size: must be an integer in [0, 64]"),
+    ({"repetition_penalty": 0}, "repetition_penalty: must be a number in (0, 10]"),
+    ({"frequency_penalty": 3}, "frequency_penalty: must be a number in [-2, 2]"),
+    ({"presence_penalty": "lots"}, "presence_penalty: must be a number in [-2, 2]"),
+])
+def test_bad_knob_values_name_the_parameter_and_range(client, settings, words):
+    with pytest.raises(Exception) as err:
+        client.predict("hi", [], {**settings, "max_new_tokens": 4}, api_name="/generate")
+    assert str(err.value).startswith(words) and "Traceback" not in str(err.value), str(err.value)
+
+
 # ---------------------------------------------------------------- in the browser (headless Chromium)
-def test_browser_marks_a_capped_answer_and_race(server):
-    """Bubble badge, greyed meters, live badge, the race's "did not finish" headline without a tokens/s ratio, and
-    the banner's stop and loop rates, as a visitor sees them."""
-    from test_browser import ARTIFACTS, CHROMIUM, _send, _settings, sync_playwright
+@pytest.fixture(scope="module")
+def page(server):
+    from test_browser import ARTIFACTS, CHROMIUM, sync_playwright
 
     if sync_playwright is None or CHROMIUM is None:
         pytest.skip("needs playwright and a Chromium binary")
     ARTIFACTS.mkdir(exist_ok=True)
-    fm = front_matter()
     with sync_playwright() as p:
         browser = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
         pg = browser.new_page(viewport={"width": 1440, "height": 1000})
@@ -183,37 +226,81 @@ def test_browser_marks_a_capped_answer_and_race(server):
         pg.on("pageerror", lambda e: errors.append(str(e)))
         pg.goto(server.url)
         pg.wait_for_selector(".fd-live-root .fd-legend", timeout=30_000)
-        long = pg.locator("#fd-long").inner_text()
-        for k in ("long_stop_rate", "ar_long_stop_rate", "long_loop_rate", "ar_long_loop_rate"):
-            assert f"{100 * fm[k]:.0f}%" in long, (k, long)
-        assert f"{fm['tokens_per_forward_complete']:.2f} tokens per forward" in long
-        # a chat answer cut at 8 tokens
-        _settings(pg, **{"max-new": 8})
-        _send(pg, HAIKU)
-        pg.wait_for_selector("#fd-live .fd-badge-unfinished, #fd-live .fd-badge-looping", timeout=60_000)
-        assert "did not finish: cut at 8 tokens" in pg.locator("#fd-live .fd-status").inner_text()
-        badge = pg.locator("#fd-chat .fd-finish").first
-        badge.wait_for(timeout=20_000)
-        assert badge.inner_text() == "⚠ cut at 8 tokens — did not finish"
-        assert pg.locator('#fd-meters .fd-card[data-k="stop"] .fd-card-v').inner_text() in ("capped", "looping")
-        muted = pg.locator("#fd-meters .fd-card-muted")
-        assert muted.count() == 2
-        assert float(muted.first.evaluate("e => getComputedStyle(e).opacity")) < 0.6  # greyed out, visibly
-        assert "Did not finish (cut at 8 tokens" in pg.locator("#fd-meters").inner_text()
-        pg.screenshot(path=str(ARTIFACTS / "screenshot_unfinished.png"))
-        # the race, both sides cut at 8 tokens: no tokens/s ratio, a plain headline
-        pg.get_by_role("tab", name="Race").click()
-        pg.locator("#fd-race-msg textarea, #fd-race-msg input").first.fill(HAIKU)
-        reps = pg.locator("#fd-race-reps input[type=number]")
-        reps.fill("1")
-        reps.press("Enter")
-        pg.click("#fd-race")
-        pg.wait_for_selector("#fd-race-meters .fd-verdict", timeout=60_000)
-        verdict = pg.locator("#fd-race-meters .fd-verdict").inner_text()
-        assert verdict.startswith("dLLM did not finish (cut at 8 tokens") and "AR did not finish (cut at 8" in verdict
-        assert "No speed comparison" in verdict
-        assert pg.locator("#fd-race-meters .fd-ratio").count() == 0
-        assert "tokens/s (" not in pg.locator("#fd-race-meters").inner_text()
-        pg.locator("#fd-race-meters").screenshot(path=str(ARTIFACTS / "screenshot_race_unfinished.png"))
+        yield pg
         browser.close()
     assert not errors, errors
+
+
+def test_browser_marks_a_capped_answer_and_race(page):
+    """Bubble badge, greyed meters, live badge, the race's "did not finish" headline without a tokens/s ratio, and
+    the banner's stop and loop rates, as a visitor sees them."""
+    from test_browser import ARTIFACTS, _send, _settings
+
+    pg, fm = page, front_matter()
+    long = pg.locator("#fd-long").inner_text()
+    for k in ("long_stop_rate", "ar_long_stop_rate", "long_loop_rate", "ar_long_loop_rate"):
+        assert f"{100 * fm[k]:.0f}%" in long, (k, long)
+    assert f"{fm['tokens_per_forward_complete']:.2f} tokens per forward" in long
+    # a chat answer cut at 8 tokens
+    _settings(pg, **{"max-new": 8})
+    _send(pg, HAIKU)
+    pg.wait_for_selector("#fd-live .fd-badge-unfinished, #fd-live .fd-badge-looping", timeout=60_000)
+    assert "did not finish: cut at 8 tokens" in pg.locator("#fd-live .fd-status").inner_text()
+    badge = pg.locator("#fd-chat .fd-finish").first
+    badge.wait_for(timeout=20_000)
+    assert badge.inner_text() == "⚠ cut at 8 tokens — did not finish"
+    assert pg.locator('#fd-meters .fd-card[data-k="stop"] .fd-card-v').inner_text() in ("capped", "looping")
+    muted = pg.locator("#fd-meters .fd-card-muted")
+    assert muted.count() == 2
+    assert float(muted.first.evaluate("e => getComputedStyle(e).opacity")) < 0.6  # greyed out, visibly
+    assert "Did not finish (cut at 8 tokens" in pg.locator("#fd-meters").inner_text()
+    pg.screenshot(path=str(ARTIFACTS / "screenshot_unfinished.png"))
+    # the race, both sides cut at 8 tokens: no tokens/s ratio, a plain headline
+    pg.get_by_role("tab", name="Race").click()
+    pg.locator("#fd-race-msg textarea, #fd-race-msg input").first.fill(HAIKU)
+    reps = pg.locator("#fd-race-reps input[type=number]")
+    reps.fill("1")
+    reps.press("Enter")
+    pg.click("#fd-race")
+    pg.wait_for_selector("#fd-race-meters .fd-verdict", timeout=60_000)
+    verdict = pg.locator("#fd-race-meters .fd-verdict").inner_text()
+    assert verdict.startswith("dLLM did not finish (cut at 8 tokens") and "AR did not finish (cut at 8" in verdict
+    assert "No speed comparison" in verdict
+    assert pg.locator("#fd-race-meters .fd-ratio").count() == 0
+    assert "tokens/s (" not in pg.locator("#fd-race-meters").inner_text()
+    pg.locator("#fd-race-meters").screenshot(path=str(ARTIFACTS / "screenshot_race_unfinished.png"))
+    pg.wait_for_function("!document.querySelector('#fd-race').disabled", timeout=30_000)
+
+
+def test_browser_knob_controls_validate_and_say_what_is_on(page):
+    """The knobs are in the settings accordion with their explanations; a bad value is refused with the parameter's
+    name and range, and the conversation is kept; the summary line and the meters say which knobs are on."""
+    from test_browser import _messages, _send, _settings
+
+    pg = page
+    _settings(pg)
+    box = pg.locator("#fd-no-repeat-ngram-size input")
+    assert "never lets the answer repeat" in pg.locator("#fd-no-repeat-ngram-size").inner_text()
+    assert "Repetition knobs: all off" in pg.locator("#fd-knobs").inner_text()
+    before = _messages(pg)
+    assert before >= 2  # the capped turn of the test above
+    box.fill("99")
+    box.press("Enter")
+    _send(pg, "Hi")
+    toast = pg.get_by_text("no_repeat_ngram_size: must be an integer in [0, 64]").first
+    toast.wait_for(timeout=20_000)
+    assert _messages(pg) == before  # nothing lost, nothing added
+    assert pg.locator("#fd-msg textarea").input_value() == "Hi"  # the message is still there to resend
+    box.fill("3")
+    box.press("Enter")
+    pg.wait_for_function("document.querySelector('#fd-knobs').innerText.includes('no-repeat n-gram size 3')")
+    pg.keyboard.press("Escape")
+    pg.click("#fd-send")
+    pg.wait_for_function(f"document.querySelectorAll('#fd-chat .message-row').length >= {before + 2}",
+                         timeout=60_000)
+    pg.wait_for_selector("#fd-meters .fd-knobs-line", timeout=60_000)
+    assert pg.locator("#fd-meters .fd-knobs-line").inner_text() == \
+        "Repetition knobs on: no-repeat n-gram size 3"
+    box.fill("0")
+    box.press("Enter")
+    pg.wait_for_function("document.querySelector('#fd-knobs').innerText.includes('all off')")
