@@ -1,10 +1,10 @@
-"""python -m bench {throughput,quality,profile,forward,kernels,roofline,gpu,memory,serve,studio}: the Fast-dLLM v2 benchmarks."""
+"""python -m bench {throughput,quality,penalties,profile,forward,kernels,roofline,gpu,memory,serve,studio}: the Fast-dLLM v2 benchmarks."""
 from __future__ import annotations
 
 import argparse
 import sys
 
-from . import forward, gpu, kernels, memory, profile, quality, roofline, serve, studio, throughput
+from . import forward, gpu, kernels, memory, penalties, profile, quality, roofline, serve, studio, throughput
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -12,6 +12,7 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     throughput.add_parser(sub)
     quality.add_parser(sub)
+    penalties.add_parser(sub)
     profile.add_parser(sub)
     forward.add_parser(sub)
     kernels.add_parser(sub)

@@ -150,7 +150,7 @@ def test_denoise_events_stream_draws_the_live_view(api):
     ({"top_p": 0}, "top_p", "(0, 1]"),
     ({"seed": -3}, "seed", "[0, 2^63)"),
     ({"n": 2}, "n", "only n = 1"),
-    ({"presence_penalty": 0.5}, "presence_penalty", "only presence_penalty = 0"),
+    ({"presence_penalty": 2.5}, "presence_penalty", "[-2, 2]"),
     ({"logprobs": True}, "logprobs", "only logprobs = false"),
     ({"stop": [""]}, "stop", "non-empty"),
     ({"denoise_events": "yes"}, "denoise_events", "true or false"),
