@@ -31,6 +31,18 @@ def _answer_pattern(answer: str) -> re.Pattern[str]:
     return re.compile(pattern)
 
 
+@lru_cache(maxsize=4096)
+def mention_pattern(element: str) -> re.Pattern[str]:
+    """Whole-word regex for one already-normalised list element (bench/longform.py). Like the answer pattern, but
+    a digit element only refuses decimals ("3" not in "3.5"): "1,2,3" is a list here, not one thousands number."""
+    pattern = _NOT_BEFORE + re.escape(element) + _NOT_AFTER
+    if element[-1].isdigit():
+        pattern += r"(?!\.\d)"
+    if element[0].isdigit():
+        pattern = r"(?<!\d\.)" + pattern
+    return re.compile(pattern)
+
+
 def is_correct(output: str, answers: list[str]) -> bool:
     """Return True when any answer occurs in output as a whole word/phrase, ignoring case."""
     text = normalise(output)

@@ -8,21 +8,28 @@ throughput benchmark: answer tokens through the stop token, engine time only.
 the share of greedy answers that are identical, e.g. of the default 4-bit path against FASTDLLM_WEIGHTS=fp32. A
 fidelity measure of a weight or kernel path, next to accuracy, which can hide answers that moved both ways.
 
---long-set adds the parallelism half of the threshold curve: each diffusion setting also decodes the
-long-answer prompts (lists, steps, code, explanations), where tokens per forward can show; short answers
-barely parallelise. AR is one token per forward by construction, so it is not re-run there.
+Long answers (bench/longform.py, issue 21): every mode, the AR base included, also decodes the checkable long set
+(--checkable-set, on by default) and, with --long-set, the open-ended long-answer prompts: stop rate, loop rate,
+mean length, tokens per forward over all answers and over complete ones only, and for the checkable set the share
+right (complete, in order, stopped). --long-only skips the short set, so a training run can score a checkpoint
+(--adapter) in minutes.
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
 
-from .common import (DEFAULT_EVAL_SET, environment, load_engine, parse_list, progress, save_figures, setup_torch,
-                     table, write_json)
+from .common import (DEFAULT_EVAL_SET, DEFAULT_PROMPTS, environment, load_engine, parse_list, progress, save_figures,
+                     setup_torch, table, write_json)
+from .longform import CHECKABLE_SET, long_chart, run_long_sets
+
+SHORT_MAX_NEW_TOKENS = 64
+LONG_MAX_NEW_TOKENS = 256  # the issue's cap: room for a list or an essay to end, and for a loop to show
 
 
 class Score:
@@ -80,30 +87,6 @@ def chart(results: list[dict[str, Any]]):
     return fig
 
 
-def long_tokens_per_forward(eng, args: argparse.Namespace, runs: list, results: list[dict[str, Any]]) -> None:
-    """Tokens per forward of each diffusion setting on the long-answer prompts (results gain long_* keys)."""
-    from .common import load_prompts
-
-    prompts = load_prompts(args.long_set, args.long_limit)
-    ids = [eng.encode(eng.chat_prompt([{"role": "user", "content": p}])) for p in prompts]
-    todo = [(i, th) for i, (mode, th) in enumerate(runs) if mode == "diffusion"]
-    bar = progress(len(todo) * len(ids), "long set", disable=args.quiet)
-    for i, th in todo:
-        cfg = eng.decode_config(mode="diffusion", threshold=th, cache=args.cache, block_size=args.block_size,
-                                sub_block_size=args.sub_block_size, max_new_tokens=args.long_max_new_tokens)
-        toks = nfe = 0
-        for j in range(0, len(ids), args.batch_size):
-            for r in eng.generate_ids(ids[j:j + args.batch_size], cfg, record=False):
-                toks, nfe = toks + r.summary.answer_tokens, nfe + r.summary.nfe
-            bar.update(len(ids[j:j + args.batch_size]))
-        results[i].update(long_n=len(ids), long_answer_tokens=toks, long_nfe=nfe,
-                          long_tokens_per_forward=toks / nfe if nfe else 0.0)
-    for r in results:
-        if r["mode"] == "ar":
-            r.update(long_n=len(ids), long_tokens_per_forward=1.0)  # one token per forward by construction
-    bar.close()
-
-
 Reference = dict[tuple[str, float | None], dict[Any, str]]
 
 
@@ -132,13 +115,56 @@ def add_agreement(results: list[dict[str, Any]], ref: Reference, path: str) -> N
                                      "differ": [i for i, ok in pairs if not ok]}
 
 
+@contextlib.contextmanager
+def adapter_env(path: str | None):
+    """--adapter: the engine's documented way to pick the bundled base's adapter is FASTDLLM_ADAPTER; set it only
+    while loading (load_engine memoises per adapter, so other engines in the process are untouched)."""
+    if not path:
+        yield
+        return
+    prev = os.environ.get("FASTDLLM_ADAPTER")
+    os.environ["FASTDLLM_ADAPTER"] = str(path)
+    try:
+        yield
+    finally:
+        if prev is None:
+            os.environ.pop("FASTDLLM_ADAPTER", None)
+        else:
+            os.environ["FASTDLLM_ADAPTER"] = prev
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """Refuse bad options before the model loads; fill the long-set defaults."""
+    if args.batch_size < 1:
+        raise SystemExit("--batch-size must be >= 1")
+    for name in ("limit", "long_limit", "checkable_limit", "max_new_tokens", "long_max_new_tokens"):
+        v = getattr(args, name)
+        if v is not None and v < 1:
+            raise SystemExit(f"--{name.replace('_', '-')} must be >= 1, not {v}")
+    if args.adapter:
+        if args.model not in (None, "bundled"):
+            raise SystemExit(f"--adapter applies to the bundled base; it cannot be combined with --model {args.model}")
+        if not Path(args.adapter).is_file():
+            raise SystemExit(f"--adapter: no adapter file at {args.adapter}")
+    if args.checkable_set and args.checkable_set.lower() == "none":
+        args.checkable_set = None
+    if args.long_only and not args.long_set:
+        args.long_set = str(DEFAULT_PROMPTS)
+    if args.long_max_new_tokens is None:  # --long-only has no short set: --max-new-tokens then caps the long sets
+        args.long_max_new_tokens = args.max_new_tokens if args.long_only and args.max_new_tokens else LONG_MAX_NEW_TOKENS
+    if args.max_new_tokens is None:
+        args.max_new_tokens = SHORT_MAX_NEW_TOKENS
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from .checker import load_eval_set
 
+    check_args(args)
     ref = load_reference(args.agree_with) if args.agree_with else None  # before the long run: fail early
     setup_torch(args.threads)
-    eng = load_engine(args.model, args.dtype, args.device)
-    items = load_eval_set(args.eval_set or DEFAULT_EVAL_SET)
+    with adapter_env(args.adapter):
+        eng = load_engine(args.model, args.dtype, args.device)
+    items = [] if args.long_only else load_eval_set(args.eval_set or DEFAULT_EVAL_SET)
     if args.limit:
         items = items[:args.limit]
     runs: list[tuple[str, float | None]] = []
@@ -148,12 +174,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         if not eng.can_diffuse:
             raise SystemExit("quality: the model has no mask token (no adapter loaded); use --modes ar")
         runs += [("diffusion", th) for th in parse_list(args.thresholds, float)]
-    cfgs = []
-    for mode, th in runs:
-        kw: dict[str, Any] = dict(mode=mode, max_new_tokens=args.max_new_tokens)
+    def config(mode: str, th: float | None, cap: int):
+        kw: dict[str, Any] = dict(mode=mode, max_new_tokens=cap)
         if mode == "diffusion":
             kw.update(threshold=th, cache=args.cache, block_size=args.block_size, sub_block_size=args.sub_block_size)
-        cfgs.append(eng.decode_config(**kw))
+        return eng.decode_config(**kw)
+
+    cfgs = [config(mode, th, args.max_new_tokens) for mode, th in runs]
     scores = [Score() for _ in runs]
     bar = progress(len(runs) * len(items), "quality", disable=args.quiet)
     # chunk by chunk, every setting in turn: drift of a shared machine hits all settings' tokens/s alike
@@ -164,29 +191,54 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             bar.set_postfix_str(f"{mode} {th if th is not None else ''}")
             sc.add(eng, chunk, ids, cfg)
             bar.update(len(chunk))
-    results = [{"mode": mode, "threshold": th, **sc.result()} for (mode, th), sc in zip(runs, scores)]
+    results = [{"mode": mode, "threshold": th, **(sc.result() if items else {})} for (mode, th), sc in zip(runs, scores)]
     bar.close()
-    if args.long_set:
-        long_tokens_per_forward(eng, args, runs, results)
+    long_cfgs = [config(mode, th, args.long_max_new_tokens) for mode, th in runs]
+    prefixes = run_long_sets(eng, args, runs, long_cfgs, results)
     if ref is not None:
         add_agreement(results, ref, args.agree_with)
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    report = {"kind": "quality", "environment": environment(eng), "eval_set": str(args.eval_set or DEFAULT_EVAL_SET),
+    report = {"kind": "quality", "environment": environment(eng),
+              "eval_set": None if args.long_only else str(args.eval_set or DEFAULT_EVAL_SET),
+              "long_sets": {"long": args.long_set, "checkable": args.checkable_set,
+                            "max_new_tokens": args.long_max_new_tokens},
               "args": {k: v for k, v in vars(args).items() if k != "func"}, "results": results}
-    report["charts"] = save_figures({"quality": chart(results)}, out_dir, png=not args.no_png).to_json()
+    figs = {} if args.long_only else {"quality": chart(results)}
+    if prefixes:
+        figs["long"] = long_chart(results, prefixes)
+    report["charts"] = save_figures(figs, out_dir, png=not args.no_png).to_json()
     write_json(out_dir / "results.json", report)
     return report
 
 
 COLUMNS = [("mode", "mode"), ("threshold", "threshold"), ("n", "n"), ("accuracy", "accuracy"),
            ("tokens_per_forward", "tok/fwd"), ("tokens_per_second", "tok/s"), ("answer_tokens", "answer tok"),
-           ("nfe", "NFE"), ("long_tokens_per_forward", "long tok/fwd"), ("agreement", "= ref")]
+           ("nfe", "NFE"), ("agreement", "= ref")]
+LONG_COLUMNS = [("mode", "mode"), ("threshold", "threshold")] + [
+    (f"{p}_{k}", f"{p} {h}") for p in ("long", "checkable") for k, h in
+    (("n", "n"), ("stop_rate", "stop"), ("loop_rate", "loop"), ("mean_answer_tokens", "mean tok"),
+     ("tokens_per_forward", "tok/fwd"), ("complete_n", "complete"), ("complete_tokens_per_forward", "tok/fwd complete"),
+     ("right_rate", "right"))
+    if not (p == "long" and k == "right_rate")]
+LONG_PUBLIC = tuple(f"{p}_{k}" for p in ("long", "checkable") for k in
+                    ("n", "stop_rate", "loop_rate", "mean_answer_tokens", "tokens_per_forward", "complete_n",
+                     "complete_tokens_per_forward", "right", "right_rate"))
+
+
+def tables(report: dict[str, Any]) -> str:
+    """The short-set table and, when long sets ran, the long-answer one (columns of sets that ran)."""
+    rows = report["results"]
+    out = [] if report["eval_set"] is None else [table(rows, COLUMNS, nd=3)]
+    cols = [c for c in LONG_COLUMNS if c[0] in ("mode", "threshold") or any(c[0] in r for r in rows)]
+    if len(cols) > 2:
+        out.append(table(rows, cols, nd=3))
+    return "\n\n".join(out)
 
 
 def public(report: dict[str, Any]) -> dict[str, Any]:
     keys = ("mode", "threshold", "accuracy", "tokens_per_forward", "tokens_per_second", "n")
-    extra = ("long_tokens_per_forward", "agreement")  # only with --long-set, --agree-with
+    extra = ("agreement",) + LONG_PUBLIC  # only with the long sets, --agree-with
     return {"results": [{k: r[k] for k in keys + extra if k in r} for r in report["results"]]}
 
 
@@ -200,17 +252,30 @@ def add_parser(sub) -> None:
     p.add_argument("--cache", default="dual")
     p.add_argument("--block-size", type=int, default=32)
     p.add_argument("--sub-block-size", type=int, default=8)
-    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--max-new-tokens", type=int, default=None,
+                   help=f"answer cap on the short set (default {SHORT_MAX_NEW_TOKENS}); with --long-only, on the long sets")
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--limit", type=int, default=None)
     p.add_argument("--dtype", default=None)
     p.add_argument("--device", default=None)
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--long-set", default=None,
-                   help="JSONL of {\"prompt\": ...}: also measure each threshold's tokens per forward on these "
-                        "long-answer prompts (e.g. bench/data/long_answer.jsonl)")
-    p.add_argument("--long-limit", type=int, default=None, help="use only the first N long-answer prompts")
-    p.add_argument("--long-max-new-tokens", type=int, default=128, help="answer length cap on the long set")
+                   help="JSONL of {\"prompt\": ...}: also decode these open-ended long-answer prompts with every mode "
+                        "(stop, loop, length, tokens per forward; e.g. bench/data/long_answer.jsonl, the default "
+                        "with --long-only)")
+    p.add_argument("--long-limit", type=int, default=None,
+                   help="use N long-answer prompts, taken round-robin over categories")
+    p.add_argument("--checkable-set", default=str(CHECKABLE_SET),
+                   help="JSONL of {\"id\", \"category\", \"prompt\", \"sequence\"} graded right only when complete, "
+                        "in order and stopped (bench/data/README.md); 'none' to skip")
+    p.add_argument("--checkable-limit", type=int, default=None,
+                   help="use N checkable prompts, taken round-robin over categories")
+    p.add_argument("--long-max-new-tokens", type=int, default=None,
+                   help=f"answer cap on the long sets (default {LONG_MAX_NEW_TOKENS}, or --max-new-tokens with --long-only)")
+    p.add_argument("--long-only", action="store_true",
+                   help="skip the short-answer set: only the long sets (scores a checkpoint in minutes)")
+    p.add_argument("--adapter", default=None, metavar="SAFETENSORS",
+                   help="the dLLM adapter file on the bundled base (as FASTDLLM_ADAPTER; default assets/)")
     p.add_argument("--agree-with", default=None, metavar="RESULTS_JSON",
                    help="an earlier run's results.json (e.g. with FASTDLLM_WEIGHTS=fp32): report the share of answers "
                         "identical to it per setting")
@@ -222,19 +287,17 @@ def add_parser(sub) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    if args.batch_size < 1:
-        raise SystemExit("--batch-size must be >= 1")
     if args.json:
         real = sys.stdout
         with contextlib.redirect_stdout(sys.stderr):
             report = run(args)
-            print(table(report["results"], COLUMNS, nd=3), file=sys.stderr)
+            print(tables(report), file=sys.stderr)
         real.write(json.dumps(public(report)) + "\n")
         real.flush()
         return 0
     report = run(args)
-    print(f"{report['environment']['model']} · {report['eval_set']}")
-    print(table(report["results"], COLUMNS, nd=3))
+    print(f"{report['environment']['model']} · {report['eval_set'] or 'long sets only'}")
+    print(tables(report))
     ch = report["charts"]
     print("results: " + str(Path(args.out) / "results.json") + " · charts: " + ", ".join(ch["html"] + ch["png"])
           + (f" (PNG not written: {ch['png_error']})" if ch["png_error"] else ""))

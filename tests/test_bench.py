@@ -148,7 +148,7 @@ def test_quality_json_prints_exactly_one_object(eng, tmp_path, capsys):
         {"prompt": "What is 2 + 2? Answer with a number.", "answers": ["4", "four"]},
         {"prompt": "Unused third item.", "answers": ["x"]}]), encoding="utf-8")
     stdout = run_cli(["quality", "--eval-set", str(eval_set), "--limit", "2", "--thresholds", "0.9,1.0",
-                      "--max-new-tokens", "4", "--json", "--no-png", "--out", str(tmp_path / "q")], capsys)
+                      "--max-new-tokens", "4", "--checkable-set", "none", "--json", "--no-png", "--out", str(tmp_path / "q")], capsys)
     lines = stdout.strip().splitlines()
     assert len(lines) == 1
     obj = json.loads(lines[0])
@@ -173,7 +173,7 @@ def test_quality_agree_with_counts_answers_equal_to_a_reference_run(eng, tmp_pat
         {"id": "a", "prompt": "What is the capital of France?", "answers": ["Paris"]},
         {"id": "b", "prompt": "What is 2 + 2?", "answers": ["4"]}]), encoding="utf-8")
     common = ["quality", "--eval-set", str(eval_set), "--thresholds", "0.9", "--max-new-tokens", "4", "--no-png",
-              "--quiet"]
+              "--checkable-set", "none", "--quiet"]
     run_cli([*common, "--out", str(tmp_path / "ref")], capsys)
     ref_path = tmp_path / "ref" / "results.json"
     ref = json.loads(ref_path.read_text())
@@ -191,18 +191,20 @@ def test_quality_agree_with_counts_answers_equal_to_a_reference_run(eng, tmp_pat
         run_cli([*common, "--agree-with", str(tmp_path / "bad.json"), "--out", str(tmp_path / "x")], capsys)
 
 
-def test_quality_long_set_adds_tokens_per_forward_per_threshold(eng, tmp_path, capsys):
+def test_quality_long_set_adds_tokens_per_forward_per_mode(eng, tmp_path, capsys):
+    """--long-set: every mode decodes the long prompts in the same run (bench/longform.py; the measures themselves
+    are tested in tests/test_longform.py); AR there is one token per forward."""
     eval_set = tmp_path / "eval.jsonl"
     eval_set.write_text(json.dumps({"prompt": "What is 2 + 2?", "answers": ["4"]}) + "\n", encoding="utf-8")
     long_set = write_prompts(tmp_path / "long.jsonl", ["List five fruits.", "Explain rain.", "Unused."])
     stdout = run_cli(["quality", "--eval-set", str(eval_set), "--thresholds", "0.5,1.0", "--max-new-tokens", "4",
-                      "--long-set", str(long_set), "--long-limit", "2", "--long-max-new-tokens", "6", "--json",
+                      "--long-set", str(long_set), "--long-limit", "2", "--long-max-new-tokens", "6", "--checkable-set", "none", "--json",
                       "--no-png", "--out", str(tmp_path / "q")], capsys)
     obj = json.loads(stdout)
     assert all("long_tokens_per_forward" in r for r in obj["results"])
     full = json.loads((tmp_path / "q" / "results.json").read_text())["results"]
     assert full[0]["mode"] == "ar" and full[0]["long_tokens_per_forward"] == 1.0
-    for r in full[1:]:
+    for r in full:
         assert r["long_n"] == 2 and 0 < r["long_answer_tokens"] <= 12
         assert r["long_tokens_per_forward"] == pytest.approx(r["long_answer_tokens"] / r["long_nfe"])
 
