@@ -251,6 +251,7 @@ def long_chart(results: list[dict[str, Any]], prefixes: list[str]):
     diff = sorted((r for r in results if r["mode"] == "diffusion"), key=lambda r: r["threshold"])
     ar = next((r for r in results if r["mode"] == "ar"), None)
     xs = [r["threshold"] for r in diff]
+    span = [min(xs + [0.5]) - 0.05, max(xs + [1.0]) + 0.05]  # AR's reference lines run across the thresholds
     lines = [(p, k, name) for p in prefixes for k, name in
              (("stop_rate", "stop rate"), ("loop_rate", "loop rate"), ("right_rate", "right and stopped"))
              if k != "right_rate" or p == "checkable"]
@@ -259,17 +260,19 @@ def long_chart(results: list[dict[str, Any]], prefixes: list[str]):
         label = f"{p}: {name}"
         fig.add_trace(go.Scatter(name=f"dLLM {label}", x=xs, y=[r.get(f"{p}_{k}") for r in diff],
                                  mode="lines+markers", line_color=color), secondary_y=False)
-        if ar is not None and f"{p}_{k}" in ar:
-            fig.add_hline(y=ar[f"{p}_{k}"], line_dash="dot", line_color=color,
-                          annotation_text=f"AR {label} {ar[f'{p}_{k}']:.2f}", annotation_font_color=color)
+        if ar is not None and f"{p}_{k}" in ar:  # values in the legend: annotations on close lines overlap
+            fig.add_trace(go.Scatter(name=f"AR {label} {ar[f'{p}_{k}']:.2f}", x=span, y=[ar[f"{p}_{k}"]] * 2,
+                                     mode="lines", line_dash="dot", line_color=color), secondary_y=False)
     for p, dash in zip(prefixes, ("dash", "dashdot")):
         for k, name in (("tokens_per_forward", "all answers"), ("complete_tokens_per_forward", "complete only")):
             fig.add_trace(go.Scatter(name=f"dLLM {p}: tokens/forward, {name}", x=xs, y=[r.get(f"{p}_{k}") for r in diff],
                                      mode="lines+markers", line_dash=dash if k == "tokens_per_forward" else "dot",
                                      line_color="gray" if p == "long" else "black"), secondary_y=True)
-    fig.update_xaxes(title_text="threshold")
-    fig.update_yaxes(title_text="share of answers", range=[0, 1.05], secondary_y=False)
-    fig.update_yaxes(title_text="tokens per forward", rangemode="tozero", secondary_y=True)
+    fig.update_xaxes(title_text="threshold", range=span)
+    fig.update_yaxes(title_text="share of answers", range=[-0.02, 1.05], secondary_y=False)
+    tpfs = [v for r in diff for p in prefixes for k in ("tokens_per_forward", "complete_tokens_per_forward")
+            if isinstance(v := r.get(f"{p}_{k}"), (int, float))]
+    fig.update_yaxes(title_text="tokens per forward", range=[0, 1.15 * max(tpfs + [1.0])], secondary_y=True)
     fig.update_layout(title="Long answers: stop, loop and right-and-stopped vs threshold (AR base dotted)",
                       template="plotly_white")
     return fig
