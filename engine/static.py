@@ -14,6 +14,8 @@ What differs from CausalLM.forward, and why:
     do not depend on how far decoding has got;
   * RoPE rows are gathered from a table sized to the capacity: no int(pos.max()) host sync.
 Prefill and the `none` cache (variable widths) stay on CausalLM.forward; they write the same cache.
+A step returns logits only: sampling and the repetition knobs (engine/penalties.py, per row) run on them in the
+Decoder, the same on both paths, so the knobs need no route of their own here (tests/test_penalties.py).
 """
 from __future__ import annotations
 
