@@ -107,7 +107,7 @@ def add_agreement(results: list[dict[str, Any]], ref: Reference, path: str) -> N
     ran (matched by id; items without one are not compared; the ids that differ are listed)."""
     for r in results:
         outs = ref.get((r["mode"], r["threshold"]))
-        pairs = [(o["id"], o["output"] == outs[o["id"]]) for o in r["outputs"] if o["id"] in outs] if outs else []
+        pairs = [(o["id"], o["output"] == outs[o["id"]]) for o in r.get("outputs", []) if o["id"] in outs] if outs else []
         if pairs:
             equal = sum(ok for _, ok in pairs)
             r["agreement"] = equal / len(pairs)
@@ -142,8 +142,9 @@ def check_args(args: argparse.Namespace) -> None:
         if v is not None and v < 1:
             raise SystemExit(f"--{name.replace('_', '-')} must be >= 1, not {v}")
     if args.adapter:
-        if args.model not in (None, "bundled"):
-            raise SystemExit(f"--adapter applies to the bundled base; it cannot be combined with --model {args.model}")
+        model = args.model or os.environ.get("FASTDLLM_MODEL", "").strip() or None
+        if model not in (None, "bundled"):
+            raise SystemExit(f"--adapter applies to the bundled base; it cannot be combined with model {model!r}")
         if not Path(args.adapter).is_file():
             raise SystemExit(f"--adapter: no adapter file at {args.adapter}")
     if args.checkable_set and args.checkable_set.lower() == "none":
@@ -174,6 +175,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         if not eng.can_diffuse:
             raise SystemExit("quality: the model has no mask token (no adapter loaded); use --modes ar")
         runs += [("diffusion", th) for th in parse_list(args.thresholds, float)]
+
     def config(mode: str, th: float | None, cap: int):
         kw: dict[str, Any] = dict(mode=mode, max_new_tokens=cap)
         if mode == "diffusion":
