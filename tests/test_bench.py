@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -148,7 +149,7 @@ def test_quality_json_prints_exactly_one_object(eng, tmp_path, capsys):
         {"prompt": "What is 2 + 2? Answer with a number.", "answers": ["4", "four"]},
         {"prompt": "Unused third item.", "answers": ["x"]}]), encoding="utf-8")
     stdout = run_cli(["quality", "--eval-set", str(eval_set), "--limit", "2", "--thresholds", "0.9,1.0",
-                      "--max-new-tokens", "4", "--checkable-set", "none", "--json", "--no-png", "--out", str(tmp_path / "q")], capsys)
+                      "--max-new-tokens", "8", "--checkable-set", "none", "--json", "--no-png", "--out", str(tmp_path / "q")], capsys)
     lines = stdout.strip().splitlines()
     assert len(lines) == 1
     obj = json.loads(lines[0])
@@ -158,10 +159,19 @@ def test_quality_json_prints_exactly_one_object(eng, tmp_path, capsys):
         assert set(r) == {"mode", "threshold", "accuracy", "tokens_per_forward", "tokens_per_second", "n"}
         assert r["n"] == 2 and 0.0 <= r["accuracy"] <= 1.0 and r["tokens_per_forward"] > 0
     full = json.loads((tmp_path / "q" / "results.json").read_text())
-    for r in full["results"]:
-        assert r["accuracy"] == pytest.approx(sum(o["correct"] for o in r["outputs"]) / 2)
+    answers = [["Paris"], ["4", "four"]]
+
+    def regrade(text: str, accepted: list[str]) -> bool:  # the documented rule, written plainly: a whole word, any case
+        return any(re.search(r"(?<![^\W_])" + re.escape(a.lower()) + r"(?![^\W_])", text.lower()) for a in accepted)
+
+    for r, short in zip(full["results"], obj["results"]):
+        assert len(r["outputs"]) == 2
+        graded = [regrade(o["output"], a) for o, a in zip(r["outputs"], answers)]
+        assert [o["correct"] for o in r["outputs"]] == graded, r["outputs"]  # graded on the answer text, per item
+        assert short["accuracy"] == r["accuracy"] == pytest.approx(sum(graded) / 2)
         assert r["tokens_per_forward"] == pytest.approx(r["answer_tokens"] / r["nfe"])
-        assert all(o["answer_tokens"] <= 4 for o in r["outputs"])
+        assert all(0 < o["answer_tokens"] <= 8 for o in r["outputs"]), r["outputs"]
+    assert full["results"][0]["outputs"][0]["correct"], "the AR base answers Paris: a grader that never passes fails"
     assert (tmp_path / "q" / "quality.html").exists()
 
 
