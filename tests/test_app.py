@@ -354,12 +354,17 @@ def test_uploaded_trace_round_trip_and_limits():
         "bad kind": good.replace('"kind":"step"', '"kind":"boom"'),
         "bad config": good.replace('"sub_block_size":4', '"sub_block_size":3'),
         "extra summary key": good.replace('"stop_reason":', '"evil":1,"stop_reason":'),
-        "huge": b" " * (MAX_TRACE_BYTES + 1),
     }
     for name, data in bad.items():
         with pytest.raises(TraceError) as err:
             parse_trace(data)
         assert str(err.value).startswith("trace:"), name
+    # size: a valid trace (trailing whitespace is valid JSON) refused only for its size, with the limit named;
+    # the same trace at exactly the limit is accepted
+    at_limit = good.encode() + b" " * (MAX_TRACE_BYTES - len(good.encode()))
+    assert parse_trace(at_limit).header["prompt"] == XSS
+    with pytest.raises(TraceError, match=f"the limit is {MAX_TRACE_BYTES // 2**20} MiB"):
+        parse_trace(at_limit + b" ")
 
 
 def test_settings_helpers():
