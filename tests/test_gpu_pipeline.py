@@ -25,7 +25,9 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 BENCH_PROMPT = "What is the capital of France? Answer with one word."
 TOY_DATA = ["--magpie", "4", "--magpie-batch", "4", "--magpie-max-new-tokens", "32", "--batch-size", "8",
             "--max-new-tokens", "12", "--shard-examples", "4"]
-TOY_TRAIN = ["--batch-size", "2", "--max-len", "64", "--rank", "4", "--alpha", "8", "--warmup-steps", "1", "--epochs", "1"]
+# toy answers are cut at 12 tokens, too short for the finish policy's sentence cut: the rehearsal keeps them as the
+# pre-issue-21 rule did (--answers keep); the block's real commands use the default (finish)
+TOY_TRAIN = ["--answers", "keep", "--batch-size", "2", "--max-len", "64", "--rank", "4", "--alpha", "8", "--warmup-steps", "1", "--epochs", "1"]
 
 
 
@@ -182,8 +184,11 @@ def test_selfinstruct_data_filters_and_stores_token_ids(block):
             assert (ans[-1] == stop) == stopped and 1 <= len(ans) <= 12
     assert seen == set(by_key)
     # the trainer reads the directory through data.load_examples, with its usual rules
-    ex, stats = load_examples(block["dev"] / "data", eng.lm.tokenizer, stop, max_len=64)
+    ex, stats = load_examples(block["dev"] / "data", eng.lm.tokenizer, stop, max_len=64, answers="keep")
     assert len(ex) == stats["records"] == len(prompts) and all(len(e.ids) <= 64 for e in ex)
+    # the default policy (training/finish.py): whatever it keeps of these 12-token answers ends with the stop token
+    fin, fstats = load_examples(block["dev"] / "data", eng.lm.tokenizer, stop, max_len=64)
+    assert all(e.ids[-1] == stop for e in fin) and fstats["records"] == len(prompts)
 
 
 def test_selfinstruct_resumes_and_is_idempotent(block):

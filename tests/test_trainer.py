@@ -251,13 +251,17 @@ def test_token_id_reader_plugs_into_load_data(tmp_path):
 
     PAIR_READERS[".npz"] = read
     try:
-        exs, stats = load_data(path, tok=None, stop_id=0, max_len=8)
-        every, _ = load_data(path.parent, tok=None, stop_id=0, max_len=8)  # a directory of shards, in order
+        exs, stats = load_data(path, tok=None, stop_id=0, max_len=8, answers="keep")
+        every, _ = load_data(path.parent, tok=None, stop_id=0, max_len=8, answers="keep")  # a directory, in order
+        # the default policy: only answers ending with the stop token (here 12, then 3) that fit max_len
+        fin, fstats = load_data(path.parent, tok=None, stop_id=12, max_len=4)
     finally:
         del PAIR_READERS[".npz"]
     assert [(e.ids, e.prompt_len) for e in exs] == [([5, 6, 7, 8, 9], 3), ([3, 4, 11, 12], 2)]
     assert stats["records"] == 2
     assert [(e.ids, e.prompt_len) for e in every] == [(e.ids, e.prompt_len) for e in exs] + [([1, 2, 3], 1)]
+    assert [(e.ids, e.prompt_len) for e in fin] == [([3, 4, 11, 12], 2)]
+    assert fstats["dropped_without_stop"] == 2 and fstats["answers"] == "finish"
     with pytest.raises(ValueError, match="registered suffix"):
         load_data(path.parent, tok=None, stop_id=0, max_len=8)
 

@@ -42,7 +42,7 @@ def cmd_train(a: argparse.Namespace) -> None:
     _threads(a.threads)
     cfg = TrainConfig(
         data=a.data, run=a.run, model=a.model, recipe=a.recipe, block_size=a.block_size, max_len=a.max_len,
-        keep_truncated=not a.drop_truncated, rank=a.rank, alpha=a.alpha, train_norms=a.train_norms,
+        answers=a.answers, rank=a.rank, alpha=a.alpha, train_norms=a.train_norms,
         lr=a.lr, weight_decay=a.weight_decay, warmup_steps=a.warmup_steps, min_lr_ratio=a.min_lr_ratio,
         epochs=a.epochs, batch_size=a.batch_size, micro_batch=a.micro_batch, grad_clip=a.grad_clip,
         bf16=not a.fp32, bf16_weights=not a.fp32_weights, attention=a.attention, mask_later=a.mask_later,
@@ -132,6 +132,14 @@ def cmd_selfinstruct(a: argparse.Namespace) -> None:
     print(json.dumps({k: m[k] for k in ("counts", "examples", "answer_tokens", "truncated")} | {"run": m["runs"][-1]}))
 
 
+def cmd_answers(a: argparse.Namespace) -> None:
+    import json
+
+    from .finish import write_report
+
+    print(json.dumps(write_report(a.data, a.max_len), indent=1))
+
+
 def cmd_weights(a: argparse.Namespace) -> None:
     from . import weights
 
@@ -213,8 +221,10 @@ def parser() -> argparse.ArgumentParser:
                    help="paper ablation: naive token shift / + pad to block boundary / + complementary masks")
     t.add_argument("--block-size", type=int, default=32, help="diffusion block size")
     t.add_argument("--max-len", type=int, default=256, help="prompt+answer tokens kept (multiple of block size)")
-    t.add_argument("--drop-truncated", action="store_true",
-                   help="skip answers the teacher cut at max_new_tokens (default: keep them, without a stop token)")
+    t.add_argument("--answers", choices=("finish", "keep", "drop"), default="finish",
+                   help="answers policy (training/finish.py): finish = every answer ends with its stop token (capped "
+                        "or over-long ones cut at their last sentence end and closed, loops dropped); keep = the old "
+                        "rule (capped kept without a stop token); drop = capped, over-long and looping dropped")
     t.add_argument("--rank", type=int, default=32, help="LoRA rank (32; 64-128 for the GPU runs)")
     t.add_argument("--alpha", type=float, default=64.0, help="LoRA alpha (scale = alpha / rank)")
     t.add_argument("--train-norms", action="store_true", help="also train the RMSNorm weights")
@@ -320,6 +330,12 @@ def parser() -> argparse.ArgumentParser:
                     help="data directory (token-id shards + manifest.json); reruns resume and skip done work")
     _add_selfinstruct_options(si)
     si.set_defaults(func=cmd_selfinstruct)
+
+    an = sub.add_parser("answers", formatter_class=fmt,
+                        help="what the answers policies keep of a self-instruct directory; written to its manifest.json")
+    an.add_argument("--data", type=Path, default=DATA / "selfinstruct", help="self-instruct directory (shard-*.npz)")
+    an.add_argument("--max-len", type=int, nargs="+", default=[256, 512], help="training max lengths to count for")
+    an.set_defaults(func=cmd_answers)
 
     w = sub.add_parser("weights", formatter_class=fmt, help="split a big file into parts (+ parts.json) / join and check them")
     w.add_argument("action", choices=("split", "join"))

@@ -38,42 +38,37 @@ def encode_chat(tok, messages: list[dict[str, str]], stop_id: int) -> Example:
     return Example(prompt + answer, len(prompt))
 
 
-def load_examples(path: Path, tok, stop_id: int, max_len: int, keep_truncated: bool = True,
-                  min_answer: int = 1) -> tuple[list[Example], dict[str, int]]:
-    """Read, encode and cut to max_len; returns the examples and counts of what was dropped.
-
-    Answers the teacher cut at max_new_tokens are kept without a stop token by default (their prefix
-    is still exactly what the AR base says); keep_truncated=False drops them. A directory is read as
-    token-id shards of `python -m training selfinstruct` (same rules, same counts).
+def load_examples(path: Path, tok, stop_id: int, max_len: int, answers: str = "finish",
+                  min_answer: int = 1) -> tuple[list[Example], dict]:
+    """Read, encode and apply the answers policy (training/finish.py: by default every kept answer ends with
+    its stop token, capped ones cut at a sentence end and closed, loops dropped); returns the examples and
+    the policy's counts. A directory is read as token-id shards of `python -m training selfinstruct`.
     """
     if path.is_dir():
         from .selfinstruct import load_shard_examples
 
-        return load_shard_examples(path, stop_id, max_len, keep_truncated, min_answer)
+        return load_shard_examples(path, stop_id, max_len, answers, min_answer, decode=tok.decode)
+    from .finish import FinishStats, Pieces, finish_answer
+
     out: list[Example] = []
-    stats = {"records": 0, "kept_truncated": 0, "dropped_truncated": 0, "dropped_long_prompt": 0, "cut_to_max_len": 0}
+    stats, piece = FinishStats(), Pieces(tok.decode)
     with path.open() as f:
         for line in f:
             if not line.strip():
                 continue
             rec = json.loads(line)
-            stats["records"] += 1
-            cut = rec.get("stop_reason", "stop_token") != "stop_token"
-            if cut and not keep_truncated:
-                stats["dropped_truncated"] += 1
-                continue
+            stopped = rec.get("stop_reason", "stop_token") == "stop_token"
             ex = encode_chat(tok, rec["messages"], stop_id)
-            if cut and ex.ids[-1] == stop_id:  # the teacher never stopped: no stop token to learn here
-                ex = Example(ex.ids[:-1], ex.prompt_len)
-                stats["kept_truncated"] += 1
-            if ex.prompt_len + min_answer > max_len:
-                stats["dropped_long_prompt"] += 1
-                continue
-            if len(ex.ids) > max_len:
-                stats["cut_to_max_len"] += 1
-                ex = Example(ex.ids[:max_len], ex.prompt_len)
-            out.append(ex)
-    return out, stats
+            answer = ex.ids[ex.prompt_len:]
+            if not stopped and answer[-1:] == [stop_id]:  # the template closed a turn the teacher never ended
+                answer = answer[:-1]
+            elif stopped and answer[-1:] != [stop_id]:
+                answer = answer + [stop_id]
+            ids = finish_answer(ex.ids[:ex.prompt_len], answer, stopped, max_len=max_len, stop_id=stop_id,
+                                piece=piece, policy=answers, stats=stats, min_answer=min_answer)
+            if ids is not None:
+                out.append(Example(ids, ex.prompt_len))
+    return out, stats.to_json() | {"answers": answers}
 
 
 Pairs = Iterable[tuple[Sequence[int], Sequence[int]]]  # (prompt_ids, answer_ids), answer through its stop token
@@ -81,40 +76,52 @@ Pairs = Iterable[tuple[Sequence[int], Sequence[int]]]  # (prompt_ids, answer_ids
 PAIR_READERS: dict[str, Callable[[Path], Pairs]] = {}
 
 
-def examples_from_pairs(pairs: Pairs, max_len: int, min_answer: int = 1) -> tuple[list[Example], dict[str, int]]:
-    """Already tokenized (prompt, answer) pairs -> examples cut to max_len, with the same counts as JSONL."""
+def examples_from_pairs(pairs: Pairs, max_len: int, stop_id: int, answers: str = "finish",
+                        min_answer: int = 1) -> tuple[list[Example], dict[str, int]]:
+    """Already tokenized (prompt, answer) pairs -> examples. Without a tokenizer nothing can be cut at a
+    sentence end, so under 'finish' an answer that does not end with its stop token, or does not fit
+    max_len, is dropped; under 'keep' it is cut to max_len as it is (training/finish.py)."""
     out: list[Example] = []
-    stats = {"records": 0, "dropped_empty_answer": 0, "dropped_long_prompt": 0, "cut_to_max_len": 0}
+    stats = {"records": 0, "dropped_empty_answer": 0, "dropped_long_prompt": 0, "cut_to_max_len": 0,
+             "dropped_without_stop": 0, "dropped_too_long": 0, "answers": answers}
     for prompt, answer in pairs:
         stats["records"] += 1
+        answer = [int(t) for t in answer]
         if len(answer) < min_answer:
             stats["dropped_empty_answer"] += 1
             continue
         if len(prompt) + min_answer > max_len:
             stats["dropped_long_prompt"] += 1
             continue
-        ids = [int(t) for t in prompt] + [int(t) for t in answer]
+        ids = [int(t) for t in prompt] + answer
+        if answers != "keep" and answer[-1] != stop_id:
+            stats["dropped_without_stop"] += 1
+            continue
         if len(ids) > max_len:
+            if answers != "keep":
+                stats["dropped_too_long"] += 1
+                continue
             stats["cut_to_max_len"] += 1
             ids = ids[:max_len]
         out.append(Example(ids, len(prompt)))
     return out, stats
 
 
-def load_data(path: Path, tok, stop_id: int, max_len: int, keep_truncated: bool = True) -> tuple[list[Example], dict]:
+def load_data(path: Path, tok, stop_id: int, max_len: int, answers: str = "finish") -> tuple[list[Example], dict]:
     """Examples from a registered token-id source (PAIR_READERS, by suffix; a directory: its files with a
     registered suffix, in name order), a `training selfinstruct` shard directory, or chat JSONL."""
     if path.is_dir():
         files = sorted(p for p in path.iterdir() if p.suffix in PAIR_READERS)
         if files:
-            return examples_from_pairs((pair for f in files for pair in PAIR_READERS[f.suffix](f)), max_len)
+            return examples_from_pairs((pair for f in files for pair in PAIR_READERS[f.suffix](f)), max_len, stop_id,
+                                       answers)
         from .selfinstruct import shard_paths
 
         if shard_paths(path):
-            return load_examples(path, tok, stop_id, max_len, keep_truncated)
+            return load_examples(path, tok, stop_id, max_len, answers)
         raise ValueError(f"data: {path} holds neither `training selfinstruct` shards (shard-*.npz) nor a file "
                          f"with a registered suffix {sorted(PAIR_READERS)}")
     reader = PAIR_READERS.get(path.suffix)
     if reader is not None:
-        return examples_from_pairs(reader(path), max_len)
-    return load_examples(path, tok, stop_id, max_len, keep_truncated)
+        return examples_from_pairs(reader(path), max_len, stop_id, answers)
+    return load_examples(path, tok, stop_id, max_len, answers)

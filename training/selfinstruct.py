@@ -354,40 +354,36 @@ def run(cfg: SelfInstructConfig) -> dict:
 
 
 # ------------------------------------------------------------------------------------------ reader
-def load_shard_examples(path: Path, stop_id: int, max_len: int, keep_truncated: bool = True,
-                        min_answer: int = 1) -> tuple[list[Example], dict[str, int]]:
-    """Training examples from a self-instruct directory, with data.load_examples' rules and counts.
+def load_shard_examples(path: Path, stop_id: int, max_len: int, answers: str = "finish", min_answer: int = 1,
+                        decode=None) -> tuple[list[Example], dict]:
+    """Training examples from a self-instruct directory under an answers policy (training/finish.py), and
+    the policy's counts. `decode(ids) -> str` is the tokenizer's; the loop rule and the sentence ends need it.
 
     The trainer reaches this through data.load_examples(path=<directory>). Examples are in shard order,
     each prompt once (a key seen in an earlier shard is skipped).
     """
+    from .finish import FinishStats, Pieces, finish_answer
+
     files = shard_paths(path)
     if not files:
         raise FileNotFoundError(f"data: no shard-*.npz in {path} (run: python -m training selfinstruct --out {path})")
+    if decode is None:
+        raise ValueError("load_shard_examples: pass the tokenizer's decode (the answers policy reads the text)")
     out: list[Example] = []
-    stats = {"records": 0, "kept_truncated": 0, "dropped_truncated": 0, "dropped_long_prompt": 0,
-             "cut_to_max_len": 0, "duplicate_keys": 0}
+    stats, piece = FinishStats(), Pieces(decode)
+    duplicates = 0
     seen: set[int] = set()
     for f in files:
         for key, prompt, ans, stopped in Shard.load(f).examples():
             if key in seen:
-                stats["duplicate_keys"] += 1
+                duplicates += 1
                 continue
             seen.add(key)
-            stats["records"] += 1
-            if not stopped:
-                if not keep_truncated:
-                    stats["dropped_truncated"] += 1
-                    continue
-                stats["kept_truncated"] += 1
-            elif ans[-1:] != [stop_id]:
-                raise ValueError(f"data: {f.name}: an answer marked stopped does not end with the stop token {stop_id}")
-            if len(prompt) + min_answer > max_len:
-                stats["dropped_long_prompt"] += 1
-                continue
-            ids = prompt + ans
-            if len(ids) > max_len:
-                stats["cut_to_max_len"] += 1
-                ids = ids[:max_len]
-            out.append(Example(ids, len(prompt)))
-    return out, stats
+            try:
+                ids = finish_answer(prompt, ans, stopped, max_len=max_len, stop_id=stop_id, piece=piece,
+                                    policy=answers, stats=stats, min_answer=min_answer)
+            except ValueError as e:
+                raise ValueError(f"data: {f.name}: {e}") from None
+            if ids is not None:
+                out.append(Example(ids, len(prompt)))
+    return out, stats.to_json() | {"duplicate_keys": duplicates, "answers": answers}

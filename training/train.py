@@ -37,7 +37,7 @@ class TrainConfig:
     recipe: str = "full"
     block_size: int = 32
     max_len: int = 256
-    keep_truncated: bool = True
+    answers: str = "finish"  # training.finish policy: every kept answer ends with its stop token
     rank: int = 32
     alpha: float = 64.0
     train_norms: bool = False
@@ -72,6 +72,10 @@ class TrainConfig:
     def __post_init__(self) -> None:
         if self.recipe not in RECIPES:
             raise ValueError(f"recipe must be one of {RECIPES} (got {self.recipe!r})")
+        from .finish import POLICIES
+
+        if self.answers not in POLICIES:
+            raise ValueError(f"answers must be one of {POLICIES} (got {self.answers!r})")
         if self.max_len % self.block_size:
             raise ValueError(f"max_len ({self.max_len}) must be a multiple of block_size ({self.block_size})")
         if self.attention not in IMPLS:
@@ -398,9 +402,16 @@ def train(cfg: TrainConfig) -> Trainer:
     if mask_id > model.cfg.vocab_size:
         raise ValueError(f"mask token id {mask_id} leaves a gap after the {model.cfg.vocab_size} embedding rows")
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else stop_id
-    examples, stats = load_data(cfg.data, tok, stop_id, cfg.max_len, cfg.keep_truncated)
+    examples, stats = load_data(cfg.data, tok, stop_id, cfg.max_len, cfg.answers)
+    if cfg.answers == "finish":  # the invariant the policy promises, checked where training reads it
+        bad = sum(ex.ids[-1] != stop_id for ex in examples)
+        if bad:
+            raise ValueError(f"data: {bad} answers do not end with the stop token {stop_id} under answers=finish")
     if cfg.limit is not None:
         examples = examples[:cfg.limit]
+    if len(examples) <= cfg.val_size:
+        raise ValueError(f"data: {len(examples)} examples left after the answers policy {cfg.answers!r} "
+                         f"({stats}); nothing to train on")
     val = examples[len(examples) - cfg.val_size:] if cfg.val_size else []
     examples = examples[:len(examples) - cfg.val_size] if cfg.val_size else examples
     cfg.extra = {"base": source.spec, "data": str(cfg.data), "data_stats": stats,
