@@ -43,7 +43,7 @@ CHECK_SLOT = ("timeout 200 python3 -m pytest -m cuda tests/test_cuda.py -q -p no
 SEED_DATA = "training/data/selfinstruct"
 DATA_ARGS = (f"--seed-from {SEED_DATA} --seed 1 --magpie 30000 --magpie-batch 1024 --batch-size 512 "
              "--max-new-tokens 256 --time-budget 400 --threads 6")
-TRAIN_ARGS = "--batch-size 64 --max-len 512 --rank 32 --alpha 64 --lr 2e-4 --warmup-steps 20 --save-every-s 120 --threads 6"
+TRAIN_ARGS = "--answers finish --batch-size 64 --max-len 512 --rank 32 --alpha 64 --lr 2e-4 --warmup-steps 20 --save-every-s 120 --threads 6"
 P3 = (f"python3 -m training gpu train --out $OUT/train --data {SEED_DATA} --run runs/gpu/p3 --minutes 6 -- "
       f"{TRAIN_ARGS} --epochs 2 --init-from assets/fastdllm_adapter.safetensors")
 P4_EPOCHS = 2  # set from call 3's manifest: ~1,400 steps of 64 fit calls 4-5, so epochs ~ 90,000 / examples
