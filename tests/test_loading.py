@@ -75,10 +75,28 @@ def test_bundled_default_without_env(monkeypatch):
 
 
 def test_gguf_conversion_is_cached():
-    """The dequantised base is written once; later loads read safetensors (timed in bench, not here)."""
+    """The dequantised base is written once; later loads read safetensors (timed in bench, not here). The cached
+    checkpoint is checked against its source: tensors dequantised from the GGUF by the gguf library itself (Q4_1
+    projections of the first, a middle and the last layer, and the Q8_0 embedding) are the cached ones, exactly."""
+    import gguf
+
+    from engine.loading import _gguf_path, read_state_dict
+
     path = bundled_base_dir()
     before = (path / "model.safetensors").stat().st_mtime_ns
     assert bundled_base_dir() == path and (path / "model.safetensors").stat().st_mtime_ns == before
+    state = read_state_dict(path)
+    src = {t.name: t for t in gguf.GGUFReader(str(_gguf_path())).tensors}
+    pairs = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight"}
+    for i in (0, 15, 29):  # not attn_q / attn_k: llama.cpp permutes their rows (test_quant.py checks those)
+        pairs |= {f"blk.{i}.ffn_down.weight": f"model.layers.{i}.mlp.down_proj.weight",
+                  f"blk.{i}.ffn_gate.weight": f"model.layers.{i}.mlp.gate_proj.weight",
+                  f"blk.{i}.attn_v.weight": f"model.layers.{i}.self_attn.v_proj.weight",
+                  f"blk.{i}.attn_output.weight": f"model.layers.{i}.self_attn.o_proj.weight"}
+    for name, ours in pairs.items():
+        t = src[name]
+        want = torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type).copy()).float()
+        assert torch.equal(want.view(state[ours].shape), state[ours].float()), name
     cfg = json.loads((path / "config.json").read_text())
     assert cfg["model_type"] == "llama" and "quantization_config" not in cfg
     from transformers import AutoTokenizer

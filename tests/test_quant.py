@@ -15,12 +15,30 @@ needs_ours = pytest.mark.skipif(not HAS_OURS, reason="our CPU kernels need AVX-5
 
 
 @pytest.fixture(scope="module")
-def gguf() -> quant.GGUFWeights:
-    return quant.cached_gguf(_gguf_path(), 9, 3, bundled_base_dir() / "q4_1_blocks.safetensors")
+def fresh_cache(tmp_path_factory):
+    return tmp_path_factory.mktemp("q4") / "q4_1_blocks.safetensors"
 
 
-def test_q4_1_blocks_dequantise_to_the_converted_checkpoint(gguf):
-    """Our Q4_1 / Q8_0 reading (nibble order, q/k row order) == transformers' dequantised checkpoint, exactly."""
+@pytest.fixture(scope="module")
+def gguf(fresh_cache) -> quant.GGUFWeights:
+    """The 4-bit blocks parsed from the GGUF itself into a fresh temporary cache (the engine's cached copy is checked
+    against this parse, never used in its place)."""
+    assert not fresh_cache.exists()
+    return quant.cached_gguf(_gguf_path(), 9, 3, fresh_cache)
+
+
+def _same_weights(a: quant.GGUFWeights, b: quant.GGUFWeights) -> None:
+    assert sorted(a.q4) == sorted(b.q4)
+    for name in a.q4:
+        x, y = a.q4[name], b.q4[name]
+        assert torch.equal(x.q, y.q) and torch.equal(x.d, y.d) and torch.equal(x.m, y.m), name
+    assert torch.equal(a.embed_q, b.embed_q) and torch.equal(a.embed_d, b.embed_d)
+
+
+def test_q4_1_blocks_dequantise_to_the_converted_checkpoint(gguf, fresh_cache):
+    """Our Q4_1 / Q8_0 reading of the GGUF (nibble order, q/k row order) == transformers' dequantised checkpoint,
+    exactly; the safetensors cache reads back what was parsed, and the engine's cached copy (when there is one) is
+    that same parse."""
     state = read_state_dict(bundled_base_dir())
     assert len(gguf.q4) == 30 * 7
     for name, blocks in gguf.q4.items():
@@ -28,6 +46,11 @@ def test_q4_1_blocks_dequantise_to_the_converted_checkpoint(gguf):
         assert torch.equal(blocks.dequantize(), state[name + ".weight"]), name
     emb = (gguf.embed_q.float().view(gguf.embed_q.shape[0], -1, 32) * gguf.embed_d[..., None]).flatten(1)
     assert torch.equal(emb, state["model.embed_tokens.weight"])
+    assert fresh_cache.exists()
+    _same_weights(quant.cached_gguf(_gguf_path(), 9, 3, fresh_cache), gguf)  # the file the parse wrote reads back
+    engine_cache = bundled_base_dir() / "q4_1_blocks.safetensors"
+    if engine_cache.exists():
+        _same_weights(quant.cached_gguf(_gguf_path(), 9, 3, engine_cache), gguf)
 
 
 @pytest.fixture(params=[pytest.param("ours", marks=needs_ours), "torch"])
@@ -85,11 +108,16 @@ def test_our_kernels_match_the_dequantised_weights_row_by_row(gguf, monkeypatch)
     down = gguf.q4["model.layers.5.mlp.down_proj"]  # K = 1536
     qkv = quant._fused_blocks(gguf, 7, "self_attn", ("q_proj", "k_proj", "v_proj"))
     head_q, head_d = gguf.embed_q[:8192], gguf.embed_d[:8192]
-    head_w = (head_q.float().view(8192, -1, 32) * head_d[..., None]).flatten(1)
+    # references from transformers' dequantised checkpoint, not from the blocks the kernels are built from
+    state = read_state_dict(bundled_base_dir())
+    attn = "model.layers.7.self_attn."
+    refs = (state["model.layers.5.mlp.down_proj.weight"],
+            torch.cat([state[attn + n + "_proj.weight"] for n in ("q", "k", "v")]))
+    head_w = state["model.embed_tokens.weight"][:8192]
     cases = []
-    for blocks in (down, qkv):
+    for blocks, ref_w in zip((down, qkv), refs):
         w = quant.Int4Weight(blocks, dense_bf16=False)
-        cases.append((blocks.dequantize(), lambda x, w=w: k.q4_f32(x, w.qs, w.dm), lambda x, w=w: k.q4_i8(x, w.qs, w.dm, w.mt)))
+        cases.append((ref_w, lambda x, w=w: k.q4_f32(x, w.qs, w.dm), lambda x, w=w: k.q4_i8(x, w.qs, w.dm, w.mt)))
     head = quant.Q8Head(head_q, head_d)
     cases.append((head_w, lambda x: k.q8_f32(x, head.u, head.d), lambda x: k.q8_i8(x, head.u, head.d, head.mt)))
     threads = torch.get_num_threads()
@@ -137,6 +165,7 @@ def test_weight_policy_errors_name_the_setting(monkeypatch):
         quant.WeightPolicy.from_env()
 
 
+@pytest.mark.timeout(600)  # a second engine load and batched 4-bit decodes
 def test_default_engine_runs_the_gguf_4bit_weights_and_decodes_like_fp32(engine, monkeypatch):
     """Default load on CPU: int4+bf16 projections shared by base and dLLM, LoRA separate; greedy AR and diffusion
     answers start like the fp32 path's (`engine` is the suite's fp32 engine)."""
@@ -197,6 +226,7 @@ def test_q8_lm_head_both_backends(gguf, kernels):
 
 
 @needs_ours
+@pytest.mark.timeout(600)  # three engine loads and 4-bit decodes: ~2 min on the shared box
 def test_one_call_layer_step_matches_the_eager_layers(monkeypatch):
     """engine/csrc/layer.cpp: a cached forward of up to a block runs each decoder layer as one call (AR base and dLLM
     with its LoRA; below the switch point fp32 activations, from it bf16 ones as the eager wide calls); its logits
