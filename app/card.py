@@ -31,6 +31,7 @@ class LongAnswers:
     ar_loop_rate: float
     tokens_per_forward_complete: float | None = None
     tokens_per_forward_all: float | None = None
+    complete_n: int | None = None  # how many complete answers tokens_per_forward_complete is over
 
 
 LONG_KEYS = ("long_stop_rate", "long_loop_rate", "ar_long_stop_rate", "ar_long_loop_rate")
@@ -38,14 +39,16 @@ LONG_KEYS = ("long_stop_rate", "long_loop_rate", "ar_long_stop_rate", "ar_long_l
 
 def long_answers(fm: dict[str, Any]) -> LongAnswers | None:
     """The card's long-answer measures (front-matter keys long_stop_rate, long_loop_rate, ar_long_stop_rate,
-    ar_long_loop_rate, tokens_per_forward_complete, long_tokens_per_forward, long_source, long_set), or None when
+    ar_long_loop_rate, tokens_per_forward_complete, long_complete_n, long_tokens_per_forward, long_source, long_set),
+    or None when
     the four rates are not all there."""
     if not all(isinstance(fm.get(k), (int, float)) for k in LONG_KEYS):
         return None
     opt = lambda k: float(fm[k]) if isinstance(fm.get(k), (int, float)) else None  # noqa: E731
     return LongAnswers(str(fm.get("long_source", "model card")), str(fm.get("long_set", "long-answer prompts")),
                        *(float(fm[k]) for k in LONG_KEYS), opt("tokens_per_forward_complete"),
-                       opt("long_tokens_per_forward"))
+                       opt("long_tokens_per_forward"),
+                       int(fm["long_complete_n"]) if isinstance(fm.get("long_complete_n"), int) else None)
 
 
 @dataclass(frozen=True)

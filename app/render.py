@@ -120,7 +120,9 @@ def long_html(la: LongAnswers | None) -> str:
         return ""
     tpf = ""
     if la.tokens_per_forward_complete is not None:
-        tpf = (f' Over complete, non-looping answers it decodes <b>{la.tokens_per_forward_complete:.2f} tokens per '
+        over = f"its {la.complete_n} complete, non-looping answers" if la.complete_n is not None else \
+            "complete, non-looping answers"
+        tpf = (f' Over {over} it decodes <b>{la.tokens_per_forward_complete:.2f} tokens per '
                f'forward</b>' + (f' ({la.tokens_per_forward_all:.2f} over all: loops are easy to predict several '
                                  f'tokens at a time)' if la.tokens_per_forward_all is not None else '') + '.')
     return (f'<span class="fd-long" id="fd-long"><b>Long answers:</b> it ends <b>{_pct(la.stop_rate)}</b> of them with '

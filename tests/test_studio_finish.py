@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
@@ -20,6 +21,7 @@ from engine import Summary, Trace
 HAIKU = "Write a haiku about the sea."
 LOOP = "that\nThe is a beautiful poem that\n" * 12  # the loop
 XSS = "<img src=x onerror=alert(1)>"
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def _summary(stop: str, text: str, n: int = 17, seconds: float = 1.0, tps: float = 5.0, nfe: int = 10) -> Summary:
@@ -156,7 +158,20 @@ def test_banner_shows_long_answer_stop_and_loop_rates(engine):
             f"<b>{pct(fm['ar_long_stop_rate'])}</b>)") in banner
     assert f"loops on <b>{pct(fm['long_loop_rate'])}</b> (AR base <b>{pct(fm['ar_long_loop_rate'])}</b>)" in banner
     assert f"<b>{fm['tokens_per_forward_complete']:.2f} tokens per forward</b>" in banner
-    assert "over complete, non-looping answers" in banner.lower() and esc_in(fm["long_source"], banner)
+    assert f"over its {fm['long_complete_n']} complete, non-looping answers" in banner.lower()
+    assert esc_in(fm["long_source"], banner)
+    # the card's numbers are the measurement it cites (when it cites a results file)
+    src = ROOT / fm["long_source"]
+    if src.suffix == ".json" and src.exists():
+        rows = {r["mode"]: r for r in json.loads(src.read_text())["results"]}
+        d, ar = rows["diffusion"], rows["ar"]
+        assert fm["long_stop_rate"] == pytest.approx(d["long_stop_rate"], abs=5e-3)
+        assert fm["long_loop_rate"] == pytest.approx(d["long_loop_rate"], abs=5e-3)
+        assert fm["ar_long_stop_rate"] == pytest.approx(ar["long_stop_rate"], abs=5e-3)
+        assert fm["ar_long_loop_rate"] == pytest.approx(ar["long_loop_rate"], abs=5e-3)
+        assert fm["tokens_per_forward_complete"] == pytest.approx(d["long_complete_tokens_per_forward"], abs=5e-4)
+        assert fm["long_tokens_per_forward"] == pytest.approx(d["long_tokens_per_forward"], abs=5e-4)
+        assert fm["long_complete_n"] == d["long_complete_n"]
     # without the keys the line is not there (and nothing breaks)
     assert "fd-long" not in render.banner_html(engine.lm, True, "t", replace(m, long=None), 0.9)
     assert long_answers({"long_stop_rate": 0.4}) is None
