@@ -15,7 +15,8 @@ bench/data/long_checkable.jsonl):
   bench/data/README.md), and in_order_rate (the sequence is there, stopped or not).
 
 Grading a checkable answer. The mentions of an answer are the whole-word, case-insensitive matches of the
-item's sequence elements (bench/checker.mention_pattern), in text order, as element indices.
+item's sequence elements (bench/checker.mention_pattern), in text order, as element indices; a numbered-list
+marker opening a line ("12. ", "3) ") is not a mention.
 - match "list" (default): the mentions must contain the whole sequence as one contiguous run (every element,
   in order, nothing from the sequence in between), and at most EXTRA_MENTIONS mentions outside that run (room
   for a restatement such as "from 1 to 20"; "..., Sunday, Sunday, Sunday" or a second pass is wrong).
@@ -116,10 +117,13 @@ def spread(items: list[dict[str, Any]], limit: int | None) -> list[dict[str, Any
 
 # ---------------------------------------------------------------------------------------------- grading
 
+_MARKER = re.compile(r"^[ \t]*\d{1,3}[.)][ \t]+(?=\S)", re.M)  # "12. " or "3) " opening a line
+
+
 def mentions(text: str, sequence: Sequence) -> list[int]:
     """Element index of each whole-word mention in `text`, in text order; overlapping matches keep the earlier,
-    then the longer one."""
-    norm = normalise(text)
+    then the longer one. Numbered-list markers are not mentions: "1. 1\n2. 2" counts 1, 2."""
+    norm = normalise(_MARKER.sub("", text))
     found = sorted((m.start(), -len(v), i, m.end()) for i, variants in enumerate(sequence) for v in variants
                    for m in mention_pattern(v).finditer(norm))
     out: list[int] = []
@@ -269,7 +273,7 @@ def long_chart(results: list[dict[str, Any]], prefixes: list[str]):
                                      mode="lines+markers", line_dash=dash if k == "tokens_per_forward" else "dot",
                                      line_color="gray" if p == "long" else "black"), secondary_y=True)
     fig.update_xaxes(title_text="threshold", range=span)
-    fig.update_yaxes(title_text="share of answers", range=[-0.02, 1.05], secondary_y=False)
+    fig.update_yaxes(title_text="share of answers", range=[0, 1.05], secondary_y=False)
     tpfs = [v for r in diff for p in prefixes for k in ("tokens_per_forward", "complete_tokens_per_forward")
             if isinstance(v := r.get(f"{p}_{k}"), (int, float))]
     fig.update_yaxes(title_text="tokens per forward", range=[0, 1.15 * max(tpfs + [1.0])], secondary_y=True)

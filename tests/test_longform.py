@@ -62,6 +62,10 @@ def test_numbers_match_whole_numbers_in_any_list_layout():
     for text in ("1,2,3,4,5,6,7,8,9,10", "1 2 3 4 5 6 7 8 9 10", "1, 2, 3, 4, 5, 6, 7, 8, 9, 10."):
         assert grade(text, "stop_token", seq).right, text
     assert mentions("10, 1.5, 21, 1", [("1",), ("10",)]) == [1, 0]  # not inside 1.5, 21 or 10
+    # the AR base's own layout of "Count from 1 to 20": line-opening list markers are not mentions
+    assert grade("\n".join(f"{i}. {i}" for i in range(1, 11)), "stop_token", seq).right
+    assert grade("\n".join(f"{i}) {2 * i}" for i in range(1, 11)), "stop_token", [str(2 * i) for i in range(1, 11)]).right
+    assert grade("\n".join(f"{i}." for i in range(1, 11)), "stop_token", seq).right  # a line "10." is the number
     assert not grade("1, 2, 3, 4, 5, 6, 7, 8, 9, 100", "stop_token", seq).right
 
 
