@@ -153,9 +153,9 @@ class Before(Decoder):
 
 def test_defaults_are_token_identical_to_before(engine, one_thread):
     """At the defaults nothing changes, token for token, AR and diffusion; and a knob set so it can never act
-    (no 64-gram repeats in 16 tokens) also leaves the output alone, though it takes the penalised path."""
+    (no 64-gram repeats in 10 tokens) also leaves the output alone, though it takes the penalised path."""
     for mode in ("ar", "diffusion"):
-        cfg = engine.decode_config(mode=mode, max_new_tokens=16)
+        cfg = engine.decode_config(mode=mode, max_new_tokens=10)
         model = engine.lm.dllm if mode == "diffusion" else engine.lm.base
         ids = [chat_ids(engine, p) for p in PROMPTS[:2]]
         now = [r.summary.token_ids for r in engine.generate_ids(ids, cfg, record=False)]
@@ -191,7 +191,7 @@ def test_no_repeat_ngram_3_never_repeats_a_token_trigram(engine, one_thread, mod
     the knob the same decode does repeat one, so the test can fail."""
     ids = chat_ids(engine, PROMPTS[0])
     plen = len(ids)
-    cfg = engine.decode_config(mode=mode, max_new_tokens=48, **extra)
+    cfg = engine.decode_config(mode=mode, max_new_tokens=32, **extra)
     plain = engine.generate_ids([ids], cfg, record=False)[0].summary
     got = engine.generate_ids([ids], replace(cfg, no_repeat_ngram_size=3), record=False)[0].summary
     assert repeated_ngrams(ids + plain.token_ids, 3), "the plain decode should repeat a 3-gram on this prompt"
@@ -258,7 +258,7 @@ def test_static_stepper_honours_the_knobs(engine, one_thread, mode):
     from engine import Engine
 
     static = Engine(engine.lm, static=True)
-    cfg = engine.decode_config(mode=mode, max_new_tokens=16)
+    cfg = engine.decode_config(mode=mode, max_new_tokens=12)
     knobs = replace(cfg, repetition_penalty=1.3, frequency_penalty=0.3, no_repeat_ngram_size=2)
     eager = engine.generate(PROMPTS[0], knobs, record=False)[0].summary.token_ids
     got = static.generate(PROMPTS[0], knobs, record=False)[0].summary.token_ids
