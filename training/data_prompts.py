@@ -16,6 +16,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 EVAL_FILES: tuple[Path, ...] = (
     REPO_ROOT / "bench" / "data" / "eval_short.jsonl",
     REPO_ROOT / "bench" / "data" / "long_answer.jsonl",
+    REPO_ROOT / "bench" / "data" / "long_checkable.jsonl",
 )
 DEFAULT_OUT = REPO_ROOT / "training" / "data" / "prompts.jsonl"
 _POOL_SEED = 1234  # fixed: the candidate pool never depends on the sampling seed
