@@ -1,0 +1,75 @@
+#!/usr/bin/env bash
+# Mutation testing with mutmut 3 (issue 28), out of CI: each target's files are mutated one change at a time and its
+# fast test selection must fail for every mutant. Runs in a scratch copy (runs/mutation/<target>/) so the working tree
+# is never mutated; writes score and survivors to bench/results/mutation/<target>.{json,txt}.
+#   bash scripts/mutation.sh                 # every target (long: an hour or more on 2 cores)
+#   bash scripts/mutation.sh sampling        # one target (engine/sampling.py: a few minutes)
+# FASTDLLM_THREADS=1 and one mutmut child by default (MUTMUT_CHILDREN=N for more on a quiet machine).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$PWD
+PY=$ROOT/.venv/bin/python
+export FASTDLLM_THREADS=${FASTDLLM_THREADS:-1} TOKENIZERS_PARALLELISM=false FASTDLLM_WEIGHTS=fp32
+CHILDREN=${MUTMUT_CHILDREN:-1}
+
+# target | files to mutate (only_mutate globs) | source dirs to copy | fast tests (pytest node ids / -k filters)
+declare -A FILES SOURCES TESTS
+FILES[sampling]="engine/sampling.py";  SOURCES[sampling]="engine/"
+TESTS[sampling]="tests/test_oracle.py::test_threshold_rule_is_above_threshold_plus_the_most_confident tests/test_oracle.py::test_factor_rule_is_the_largest_n_with_the_bound tests/test_oracle.py::test_commit_rules_always_commit_the_most_confident tests/test_oracle.py::test_engine_equals_oracle_on_random_models tests/test_engine.py::test_lower_threshold_never_commits_fewer tests/test_engine.py::test_per_row_top_p"
+FILES[decode]="engine/decode.py";      SOURCES[decode]="engine/"
+TESTS[decode]="tests/test_oracle.py::test_engine_equals_oracle_on_random_models tests/test_oracle.py::test_static_stepper_equals_oracle_on_a_random_model tests/test_oracle.py::test_ar_equals_oracle_ar_on_random_models"
+FILES[model]="engine/model.py";        SOURCES[model]="engine/"
+TESTS[model]="tests/test_oracle.py::test_engine_equals_oracle_on_random_models tests/test_oracle.py::test_ar_equals_oracle_ar_on_random_models tests/test_engine.py::test_forward_matches_transformers_tiny_qwen2 tests/test_engine.py::test_block_causal_mask_rule tests/test_engine.py::test_cpu_decode_layout_computes_the_same_forward"
+FILES[quant]="engine/quant.py";        SOURCES[quant]="engine/"
+TESTS[quant]="tests/test_quant.py::test_q4_1_blocks_dequantise_to_the_converted_checkpoint tests/test_quant.py::test_q8_lm_head_both_backends tests/test_quant.py::test_int4_linear_int4_and_dense_paths_and_lora"
+FILES[serve]="engine/serve.py";        SOURCES[serve]="engine/"
+TESTS[serve]="tests/test_serve.py"
+FILES[recipe]="training/recipe.py";    SOURCES[recipe]="training/ engine/"
+TESTS[recipe]="tests/test_training.py"
+FILES[checker]="bench/checker.py";     SOURCES[checker]="bench/ engine/"
+TESTS[checker]="tests/test_bench.py"
+ALL=(sampling decode model quant serve recipe checker)
+[ $# -gt 0 ] && ALL=("$@")
+
+out=$ROOT/bench/results/mutation
+mkdir -p "$out"
+for t in "${ALL[@]}"; do
+  [ -n "${FILES[$t]:-}" ] || { echo "mutation.sh: unknown target '$t' (known: ${!FILES[*]})" >&2; exit 2; }
+  work=$ROOT/runs/mutation/$t
+  rm -rf "$work" && mkdir -p "$work"
+  # the repository's tracked files (and the untracked ones git does not ignore), then the venv and assets as links
+  git ls-files -co --exclude-standard -z | (cd "$ROOT" && xargs -0 cp --parents -t "$work") 2>/dev/null || true
+  ln -sfn "$ROOT/.venv" "$work/.venv"
+  {
+    echo "[mutmut]"
+    echo "source_paths ="; for s in ${SOURCES[$t]}; do echo "    $s"; done
+    echo "only_mutate ="; for f in ${FILES[$t]}; do echo "    $f"; done
+    echo "also_copy ="; for a in pytest.ini assets/ bench/ training/ app/ static/ app.py; do echo "    $a"; done
+    echo "process_isolation = forkserver"  # torch in a forked pytest process deadlocks (its thread pools); see setup.cfg
+    echo "pytest_add_cli_args ="; for a in -q -p no:randomly -o timeout=300; do echo "    $a"; done
+    echo "pytest_add_cli_args_test_selection ="; for s in ${TESTS[$t]}; do echo "    $s"; done
+  } > "$work/setup.cfg"
+  echo "== mutation: $t (${FILES[$t]}) against: ${TESTS[$t]}"
+  start=$(date +%s)
+  (cd "$work" && PYTHONPATH=$work "$PY" -m mutmut run --max-children "$CHILDREN" >"$work/run.log" 2>&1) || true
+  (cd "$work" && PYTHONPATH=$work "$PY" -m mutmut export-cicd-stats >/dev/null 2>&1 || true
+   PYTHONPATH=$work "$PY" -m mutmut results > "$out/$t.txt" 2>/dev/null || true
+   for m in $(awk -F: '/: survived/ {gsub(/ /, "", $1); print $1}' "$out/$t.txt"); do
+     PYTHONPATH=$work "$PY" -m mutmut show "$m" 2>/dev/null; done > "$out/$t.survivors.diff" || true)
+  "$PY" - "$work/mutants/mutmut-cicd-stats.json" "$out/$t.json" "$t" "${FILES[$t]}" "$(( $(date +%s) - start ))" <<'PYEOF'
+import json, sys
+src, dst, target, files, secs = sys.argv[1:]
+try:
+    s = json.load(open(src))
+except OSError:
+    s = {}
+killed, survived = s.get("killed", 0), s.get("survived", 0)
+timeout, suspicious = s.get("timeout", 0), s.get("suspicious", 0)
+done = killed + survived + timeout + suspicious
+score = (killed + timeout) / done if done else None
+out = {"target": target, "files": files.split(), "seconds": int(secs), "score": score, **s}
+json.dump(out, open(dst, "w"), indent=1)
+print(f"{target}: score {score if score is None else round(score, 3)} ({killed} killed, {timeout} timeout, "
+      f"{survived} survived, {s.get('no_tests', 0)} without tests) in {secs} s")
+PYEOF
+done
