@@ -233,3 +233,53 @@ def test_commit_rules_always_commit_the_most_confident(conf, threshold, factor):
         got = select_commits(c, strategy, threshold, factor)
         assert got.dtype == torch.bool and got.shape == c.shape and bool(got[c.argmax()])
     assert select_commits(torch.tensor([]), "threshold", 0.5, 1.0).numel() == 0
+
+
+# ------------------------------------------------------------------ sampling (engine/sampling.py sample)
+def _nucleus(p: list[float], top_p: float) -> list[float]:
+    """The top-p distribution written plainly: the most probable tokens while the mass before them is < top_p."""
+    order = sorted(range(len(p)), key=lambda i: -p[i])
+    keep, mass = set(), 0.0
+    for i in order:
+        if mass >= top_p:
+            break
+        keep.add(i)
+        mass += p[i]
+    total = sum(p[i] for i in keep)
+    return [p[i] / total if i in keep else 0.0 for i in range(len(p))]
+
+
+@pytest.mark.parametrize("temperature,top_p", [(0.0, 1.0), (0.7, 1.0), (1.5, 1.0), (0.7, 0.8), (1.0, 0.5)])
+def test_sample_returns_the_probability_of_the_token_under_the_tempered_nucleus(temperature, top_p):
+    """Logits [rows, positions, V] as the decoder passes them: every (row, position) has its own distribution; the
+    confidence is the chosen token's probability under softmax(logits / T) cut to its own nucleus; greedy at T = 0."""
+    from engine.sampling import sample
+
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(2, 3, 12, generator=g) * 3
+    tok, conf = sample(logits.clone(), temperature, top_p, torch.Generator().manual_seed(1))
+    assert tok.shape == conf.shape == (2, 3)
+    for b in range(2):
+        for j in range(3):
+            if temperature == 0:
+                p = torch.softmax(logits[b, j].double(), -1)
+                assert int(tok[b, j]) == int(p.argmax()) and float(conf[b, j]) == pytest.approx(float(p.max()), rel=1e-5)
+                continue
+            p = _nucleus(torch.softmax(logits[b, j].double() / temperature, -1).tolist(), top_p)
+            assert p[int(tok[b, j])] > 0, "sampled outside the nucleus"
+            assert float(conf[b, j]) == pytest.approx(p[int(tok[b, j])], rel=1e-4)
+
+
+def test_sample_draws_from_the_tempered_nucleus():
+    """Frequencies over many draws follow the plain distribution (so a reversed sort, a wrong temperature or a
+    nucleus of the least likely tokens fails), and a seeded generator repeats its draws."""
+    from engine.sampling import sample
+
+    logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0, -3.0]]).expand(4000, -1)
+    for temperature, top_p in ((0.5, 1.0), (2.0, 1.0), (1.0, 0.7)):
+        want = _nucleus(torch.softmax(logits[0].double() / temperature, -1).tolist(), top_p)
+        tok, _ = sample(logits.clone(), temperature, top_p, torch.Generator().manual_seed(2))
+        freq = torch.bincount(tok, minlength=6).double() / len(tok)
+        assert max(abs(f - w) for f, w in zip(freq.tolist(), want)) < 0.03, (temperature, top_p, freq, want)
+        again, _ = sample(logits.clone(), temperature, top_p, torch.Generator().manual_seed(2))
+        assert torch.equal(tok, again)
