@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from engine.loading import bundled_base_dir, load_tokenizer
-from training.data import Example, load_data
+from training.examples import Example, load_data
 from training.finish import MIN_KEPT, FinishStats, Pieces, finish_answer, sentence_ends
 from training.recipe import build_batch, draw_noise
 from training.selfinstruct import make_shard

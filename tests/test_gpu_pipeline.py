@@ -14,9 +14,9 @@ from safetensors import safe_open
 
 from engine import Engine
 from engine.loading import build_model, bundled_base_dir, bundled_gguf_path, load_tokenizer
-from training import gpu, weights
+from training import gpu_block, weights
 from training.__main__ import main
-from training.data import load_examples
+from training.examples import load_examples
 from training.data_prompts import EvalFilter, load_excluded_prompts
 from training.selfinstruct import Shard, prompt_key
 
@@ -36,7 +36,7 @@ def block(tmp_path_factory):
     """Runs the device stages once (data twice more to show resume/idempotence, train twice to resume)."""
     root = tmp_path_factory.mktemp("gpu_block")
     prompts = root / "prompts.jsonl"
-    hand = [json.loads(line)["prompt"] for line in (gpu.REPO / "training/data/prompts.jsonl").open()][:5]
+    hand = [json.loads(line)["prompt"] for line in (gpu_block.REPO / "training/data/prompts.jsonl").open()][:5]
     rows = hand[:3] + [BENCH_PROMPT, hand[0].upper()] + hand[3:]  # one held-out bench item, one duplicate
     prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in rows))
     dev, here = root / "device", root / "here"
@@ -82,9 +82,9 @@ def test_gguf_parts_round_trip(tmp_path, monkeypatch):
         weights.join(tmp_path)
     # what a device stage says when the machine holds some parts and no converted base
     monkeypatch.setenv("FASTDLLM_CACHE", str(tmp_path / "empty-cache"))
-    assert gpu.base_ready(tmp_path)["base"] == "waiting for parts"
+    assert gpu_block.base_ready(tmp_path)["base"] == "waiting for parts"
     with pytest.raises(RuntimeError, match="1 of 2 GGUF parts"):
-        gpu.require_base(tmp_path)
+        gpu_block.require_base(tmp_path)
     monkeypatch.delenv("FASTDLLM_CACHE")
 
     data = bytearray((tmp_path / "held").read_bytes())
@@ -119,10 +119,10 @@ def test_weights_stage_checks_the_base_fingerprint(tmp_path, monkeypatch):
     main(["gpu", "weights", "--out", str(tmp_path / "out")])
     rep = json.loads((tmp_path / "out" / "weights.json").read_text())
     assert rep["base"] == "cached" and rep["fingerprint_matches"] is True
-    other = json.loads(gpu.FINGERPRINT_FILE.read_text())
+    other = json.loads(gpu_block.FINGERPRINT_FILE.read_text())
     other["argmax"][-1] += 1
     (tmp_path / "fp.json").write_text(json.dumps(other))
-    monkeypatch.setattr(gpu, "FINGERPRINT_FILE", tmp_path / "fp.json")
+    monkeypatch.setattr(gpu_block, "FINGERPRINT_FILE", tmp_path / "fp.json")
     with pytest.raises(RuntimeError, match="converted base differs"):
         main(["gpu", "weights", "--out", str(tmp_path / "out2")])
     assert json.loads((tmp_path / "out2" / "weights.json").read_text())["fingerprint_matches"] is False
@@ -130,31 +130,31 @@ def test_weights_stage_checks_the_base_fingerprint(tmp_path, monkeypatch):
 
 def test_runbook_table_is_the_plan():
     """training/README.md lists exactly the calls `gpu prepare` prints, and each fits the device's limits."""
-    readme = (gpu.REPO / "training" / "README.md").read_text()
-    assert "P = " + gpu.PREFIX.strip() in readme
-    calls = gpu.plan([f"SmolLM2-135M-Instruct.Q4_1.gguf.part{k}of3" for k in (1, 2, 3)])
+    readme = (gpu_block.REPO / "training" / "README.md").read_text()
+    assert "P = " + gpu_block.PREFIX.strip() in readme
+    calls = gpu_block.plan([f"SmolLM2-135M-Instruct.Q4_1.gguf.part{k}of3" for k in (1, 2, 3)])
     for n, c in enumerate(calls, 1):
         assert len(c["command"]) <= 2000 and len(c["carry"]) <= 8 and c["timeout_s"] <= 600
         row = next(line for line in readme.splitlines() if line.startswith(f"| {n} | "))
-        assert f"`P {c['command'][len(gpu.PREFIX):]}`" in row and f"| {c['timeout_s']} |" in row, n
+        assert f"`P {c['command'][len(gpu_block.PREFIX):]}`" in row and f"| {c['timeout_s']} |" in row, n
         assert all(f"`{path}`" in row for path in c["carry"]), n
-    assert sum(gpu.CHECK_SLOT in c["command"] for c in calls) == 1
-    assert sum(len(c["command"]) for c in calls[-3:]) < 6000 and gpu.SEED_DATA in calls[2]["command"]
+    assert sum(gpu_block.CHECK_SLOT in c["command"] for c in calls) == 1
+    assert sum(len(c["command"]) for c in calls[-3:]) < 6000 and gpu_block.SEED_DATA in calls[2]["command"]
 
 
 def test_collect_splits_big_files_and_enforces_out_limits(tmp_path):
     big = tmp_path / "big.bin"
-    big.write_bytes(os.urandom(gpu.SPLIT_BYTES + 1000))
-    col = gpu.collect([big], tmp_path / "out")
+    big.write_bytes(os.urandom(gpu_block.SPLIT_BYTES + 1000))
+    col = gpu_block.collect([big], tmp_path / "out")
     assert col.files == ["big.bin.split/big.bin.part1of2", "big.bin.split/big.bin.part2of2", "big.bin.split/parts.json"]
-    placed = gpu.unpack(tmp_path / "out", tmp_path / "data", tmp_path / "run")
+    placed = gpu_block.unpack(tmp_path / "out", tmp_path / "data", tmp_path / "run")
     assert (tmp_path / "run" / "big.bin").read_bytes() == big.read_bytes() and len(placed) == 1
     small = []
     for i in range(9):
         small.append(tmp_path / f"f{i}.json")
         small[-1].write_text("{}")
     with pytest.raises(RuntimeError, match="at most 8 files"):
-        gpu.collect(small, tmp_path / "out2")
+        gpu_block.collect(small, tmp_path / "out2")
 
 
 # ------------------------------------------------------------------------------------------ data
@@ -229,7 +229,7 @@ def test_phase_from_a_run_directory_records_its_lineage(block):
 
     sd = torch.load(latest_checkpoint(block["dev"] / "p2"), weights_only=False)
     assert [p["step"] for p in sd["prior_phases"]] == [3] and sd["step"] == 1
-    slim = torch.load(block["root"] / "out7" / gpu.SLIM, weights_only=False)  # what comes back keeps it
+    slim = torch.load(block["root"] / "out7" / gpu_block.SLIM, weights_only=False)  # what comes back keeps it
     assert slim["prior_phases"] == sd["prior_phases"]
 
 
@@ -240,7 +240,7 @@ def test_train_stage_resumes_and_returns_a_slim_checkpoint(block):
     assert (s4["step"], s4["steps_this_command"]) == (2, 2) and (s5["step"], s5["steps_this_command"]) == (3, 1)
     assert s4["answer_tokens_per_s"] > 0 and s4["model_tokens_per_s"] > s4["answer_tokens_per_s"]
     assert "gpu_peak_memory_gib" in s4 and (s4["gpu_peak_memory_gib"] is None) == (not torch.cuda.is_available())
-    slim = torch.load(block["here"] / "train" / gpu.SLIM, weights_only=False)
+    slim = torch.load(block["here"] / "train" / gpu_block.SLIM, weights_only=False)
     assert slim["step"] == 3 and "optimizer" not in slim
     assert all(t.dtype == torch.float16 for t in slim["trainable"].values())
     assert len((block["here"] / "train" / "log.jsonl").read_text().splitlines()) >= 3
@@ -248,7 +248,7 @@ def test_train_stage_resumes_and_returns_a_slim_checkpoint(block):
 
 def test_export_writes_fast_dllm_checkpoint_equal_to_base_plus_adapter(block, tmp_path, monkeypatch, capfd):
     adapter, merged = tmp_path / "adapter.safetensors", tmp_path / "merged"
-    main(["export", "--run", str(block["here"] / "train"), "--checkpoint", str(block["here"] / "train" / gpu.SLIM),
+    main(["export", "--run", str(block["here"] / "train"), "--checkpoint", str(block["here"] / "train" / gpu_block.SLIM),
           "--out", str(adapter), "--merge-to", str(merged), "--merge-dtype", "float32"])
     cfg = json.loads((merged / "config.json").read_text())
     assert cfg["model_type"] == "Fast_dLLM_Qwen" and cfg["architectures"] == ["Fast_dLLM_QwenForCausalLM"]
@@ -267,7 +267,7 @@ def test_export_writes_fast_dllm_checkpoint_equal_to_base_plus_adapter(block, tm
     b = Engine.load(str(merged))  # the export; its auto_map must not make transformers ask to run hub code
     assert "custom code" not in capfd.readouterr().out
     got = build_model(merged, torch.device("cpu"), torch.float32)  # plain layout too, for bit equality
-    ids = torch.tensor([json.loads(gpu.FINGERPRINT_FILE.read_text())["prompt_ids"]])
+    ids = torch.tensor([json.loads(gpu_block.FINGERPRINT_FILE.read_text())["prompt_ids"]])
     pos = torch.arange(ids.shape[1])[None]
     assert not a.lm.dllm.packed and torch.equal(a.lm.dllm(ids, pos, causal=True), got(ids, pos, causal=True))
     assert {k: b.lm.info[k] for k in ("model_type", "bd_size")} == {"model_type": "Fast_dLLM_Qwen", "bd_size": 32} and b.lm.mask_token_id == a.lm.mask_token_id

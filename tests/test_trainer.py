@@ -13,7 +13,7 @@ from safetensors import safe_open
 from engine.loading import apply_adapter
 from training import adapter_io
 from training.attention import Blockwise, Flex, choose, dense_mask
-from training.data import PAIR_READERS, load_data
+from training.examples import PAIR_READERS, load_data
 from training.recipe import IGNORE, LossConfig, build_batch, draw_noise, loss_parts
 from training.train import TrainConfig, Trainer
 

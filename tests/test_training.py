@@ -12,7 +12,7 @@ import torch
 from engine.config import ModelConfig
 from engine.loading import apply_adapter
 from engine.model import CausalLM
-from training.data import Example
+from training.examples import Example
 from training.export import export
 from training.lora import LoRALinear
 from training.recipe import IGNORE, attention_mask, batch_loss, build_batch, draw_noise, padded_len, views_for

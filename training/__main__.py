@@ -56,14 +56,14 @@ def cmd_train(a: argparse.Namespace) -> None:
 def cmd_throughput(a: argparse.Namespace) -> None:
     import json
 
-    from .throughput import ThroughputConfig, measure
+    from .train_speed import ThroughputConfig, measure
 
     _threads(a.threads)
     if a.padding:
         from engine.loading import load_tokenizer, resolve_source
 
-        from .data import load_data
-        from .throughput import padding_table
+        from .examples import load_data
+        from .train_speed import padding_table
 
         tok = load_tokenizer(resolve_source("bundled-base").path, add_mask_token=True)
         vocab = tok.get_vocab()
@@ -152,20 +152,20 @@ def cmd_weights(a: argparse.Namespace) -> None:
 def cmd_gpu(a: argparse.Namespace) -> None:
     import json
 
-    from . import gpu
+    from . import gpu_block
 
     if a.stage == "prepare":
-        rep = gpu.prepare(a.reserve_mib, a.parts)
+        rep = gpu_block.prepare(a.reserve_mib, a.parts)
     elif a.stage == "weights":
-        rep = gpu.stage_weights(a.out, a.parts_dir)
+        rep = gpu_block.stage_weights(a.out, a.parts_dir)
     elif a.stage == "data":
         _threads(a.threads)
-        rep = gpu.stage_data(a.out, _selfinstruct_config(a, a.dir), seed_from=a.seed_from)
+        rep = gpu_block.stage_data(a.out, _selfinstruct_config(a, a.dir), seed_from=a.seed_from)
     elif a.stage == "train":
         extra = a.trainer_args[1:] if a.trainer_args[:1] == ["--"] else a.trainer_args
-        rep = gpu.stage_train(a.out, a.data, a.run, a.minutes, extra)
+        rep = gpu_block.stage_train(a.out, a.data, a.run, a.minutes, extra)
     else:
-        rep = {"placed": gpu.unpack(a.src, a.data, a.run)}
+        rep = {"placed": gpu_block.unpack(a.src, a.data, a.run)}
     print(json.dumps(rep, indent=1))
 
 

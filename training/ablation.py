@@ -61,7 +61,7 @@ def heldout_metrics(adapter: Path, data: Path, val_size: int, block_size: int) -
     """score_heldout for the bundled base + this adapter on the last val_size examples of the data."""
     from engine.loading import apply_adapter, build_model, load_tokenizer, resolve_source
 
-    from .data import load_examples
+    from .examples import load_examples
 
     src = resolve_source("bundled-base")
     model = apply_adapter(build_model(src.path, torch.device("cpu"), torch.float32), adapter).eval()

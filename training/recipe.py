@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .attention import Blockwise, Flex, choose, dense_mask
-from .data import Example
+from .examples import Example
 
 RECIPES = ("naive", "pad", "full")
 IGNORE = -100

@@ -14,7 +14,7 @@ Directory layout (every step resumable and idempotent):
   shard-NNNNN.npz  answered prompts: keys, sources, prompt/answer lengths, stopped flags, token ids
   manifest.json    counts, generation speed, the filter rules, the shards
 Work already done is found by content (a hash of each prompt in the shards), not by position, so
-shards merged for transport (`gpu.stage_data`) or copied back from another machine count as done.
+shards merged for transport (`gpu_block.stage_data`) or copied back from another machine count as done.
 """
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .data import Example
+from .examples import Example
 from .data_prompts import EvalFilter, load_excluded_prompts, normalise_prompt
 
 FORMAT = "fastdllm-selfinstruct-v1"
@@ -359,7 +359,7 @@ def load_shard_examples(path: Path, stop_id: int, max_len: int, answers: str = "
     """Training examples from a self-instruct directory under an answers policy (training/finish.py), and
     the policy's counts. `decode(ids) -> str` is the tokenizer's; the loop rule and the sentence ends need it.
 
-    The trainer reaches this through data.load_examples(path=<directory>). Examples are in shard order,
+    The trainer reaches this through examples.load_examples(path=<directory>). Examples are in shard order,
     each prompt once (a key seen in an earlier shard is skipped).
     """
     from .finish import FinishStats, Pieces, finish_answer

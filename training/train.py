@@ -24,7 +24,7 @@ from tqdm import tqdm
 
 from . import adapter_io
 from .attention import IMPLS
-from .data import Example
+from .examples import Example
 from .lora import add_adapter, trainable_state
 from .recipe import RECIPES, Batch, LossConfig, batch_loss, build_batch, draw_noise, loss_parts
 
@@ -391,7 +391,7 @@ def latest_checkpoint(run: Path) -> Path | None:
 def train(cfg: TrainConfig) -> Trainer:
     """Load the base and data, resume from the run directory when it has a checkpoint, train."""
     from engine.loading import load_tokenizer, resolve_source, build_model
-    from .data import load_data
+    from .examples import load_data
 
     source = resolve_source(cfg.model)
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")

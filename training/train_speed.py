@@ -91,7 +91,7 @@ def profile_step(trainer, top: int = 12) -> list[dict]:
 def measure(cfg: ThroughputConfig) -> dict:
     from engine.loading import build_model, load_tokenizer, resolve_source
 
-    from .data import load_data
+    from .examples import load_data
     from .train import TrainConfig, Trainer
 
     src = resolve_source(cfg.model)
