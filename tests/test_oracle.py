@@ -283,3 +283,6 @@ def test_sample_draws_from_the_tempered_nucleus():
         assert max(abs(f - w) for f, w in zip(freq.tolist(), want)) < 0.03, (temperature, top_p, freq, want)
         again, _ = sample(logits.clone(), temperature, top_p, torch.Generator().manual_seed(2))
         assert torch.equal(tok, again)
+    # the nucleus is the smallest prefix whose mass reaches top_p: two equal tokens at top_p = 0.5 keep one
+    _, conf = sample(torch.zeros(3, 2), 1.0, 0.5, torch.Generator().manual_seed(0))
+    assert conf.tolist() == [1.0, 1.0, 1.0]
