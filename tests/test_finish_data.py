@@ -12,7 +12,7 @@ from engine.loading import bundled_base_dir, load_tokenizer
 from training.examples import Example, load_data
 from training.finish import MIN_KEPT, FinishStats, Pieces, finish_answer, sentence_ends
 from training.recipe import build_batch, draw_noise
-from training.selfinstruct import make_shard
+from training.shards import make_shard
 
 ROOT = Path(__file__).resolve().parent.parent
 

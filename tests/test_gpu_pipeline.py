@@ -18,7 +18,8 @@ from training import gpu_block, weights
 from training.__main__ import main
 from training.examples import load_examples
 from training.data_prompts import EvalFilter, load_excluded_prompts
-from training.selfinstruct import Shard, prompt_key
+from training.selfinstruct import prompt_key
+from training.shards import Shard
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 

@@ -36,11 +36,11 @@ def cmd_distill(a: argparse.Namespace) -> None:
                           threshold=a.threshold, dtype=a.dtype))
 
 
-def cmd_train(a: argparse.Namespace) -> None:
-    from .train import TrainConfig, train
+def train_config(a: argparse.Namespace):
+    """The `train` subcommand's options as a TrainConfig."""
+    from .train import TrainConfig
 
-    _threads(a.threads)
-    cfg = TrainConfig(
+    return TrainConfig(
         data=a.data, run=a.run, model=a.model, recipe=a.recipe, block_size=a.block_size, max_len=a.max_len,
         answers=a.answers, rank=a.rank, alpha=a.alpha, train_norms=a.train_norms,
         lr=a.lr, weight_decay=a.weight_decay, warmup_steps=a.warmup_steps, min_lr_ratio=a.min_lr_ratio,
@@ -50,7 +50,13 @@ def cmd_train(a: argparse.Namespace) -> None:
         certainty_temperature=a.certainty_temperature, export_to=a.export_to, export_max_mib=a.export_max_mib,
         seed=a.seed, save_every_s=a.save_every_s, save_every_steps=a.save_every_steps, max_steps=a.max_steps,
         minutes=a.minutes, limit=a.limit, val_size=a.val_size, init_from=a.init_from)
-    train(cfg)
+
+
+def cmd_train(a: argparse.Namespace) -> None:
+    from .train import train
+
+    _threads(a.threads)
+    train(train_config(a))
 
 
 def cmd_throughput(a: argparse.Namespace) -> None:
@@ -161,9 +167,12 @@ def cmd_gpu(a: argparse.Namespace) -> None:
     elif a.stage == "data":
         _threads(a.threads)
         rep = gpu_block.stage_data(a.out, _selfinstruct_config(a, a.dir), seed_from=a.seed_from)
-    elif a.stage == "train":
+    elif a.stage == "train":  # the options after -- are `train`'s, read by its own parser
         extra = a.trainer_args[1:] if a.trainer_args[:1] == ["--"] else a.trainer_args
-        rep = gpu_block.stage_train(a.out, a.data, a.run, a.minutes, extra)
+        t = parser().parse_args(["train", "--data", str(a.data), "--run", str(a.run), "--minutes", str(a.minutes),
+                                 *extra])
+        _threads(t.threads)
+        rep = gpu_block.stage_train(a.out, train_config(t))
     else:
         rep = {"placed": gpu_block.unpack(a.src, a.data, a.run)}
     print(json.dumps(rep, indent=1))

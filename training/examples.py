@@ -1,6 +1,7 @@
-"""Chat JSONL -> token ids with the answer span marked (only the last assistant turn carries loss).
+"""Training examples: chat JSONL, token-id shards or registered token-id files -> `Example(ids, prompt_len)`,
+under the answers policy (training/finish.py). Only the last assistant turn carries loss.
 
-The prompt is encoded exactly as the engine encodes it at inference (chat template with the generation
+For chat JSONL the prompt is encoded exactly as the engine encodes it at inference (chat template with the generation
 prompt, no special tokens added), so training and decoding see the same token boundaries.
 """
 from __future__ import annotations
@@ -9,6 +10,9 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable, Sequence
+
+from .finish import FinishStats, Pieces, finish_answer, finish_shards
+from .shards import shard_paths
 
 
 @dataclass(slots=True)
@@ -45,11 +49,7 @@ def load_examples(path: Path, tok, stop_id: int, max_len: int, answers: str = "f
     the policy's counts. A directory is read as token-id shards of `python -m training selfinstruct`.
     """
     if path.is_dir():
-        from .selfinstruct import load_shard_examples
-
         return load_shard_examples(path, stop_id, max_len, answers, min_answer, decode=tok.decode)
-    from .finish import FinishStats, Pieces, finish_answer
-
     out: list[Example] = []
     stats, piece = FinishStats(), Pieces(tok.decode)
     with path.open() as f:
@@ -70,6 +70,13 @@ def load_examples(path: Path, tok, stop_id: int, max_len: int, answers: str = "f
                 out.append(Example(ids, ex.prompt_len))
     return out, stats.to_json() | {"answers": answers}
 
+
+def load_shard_examples(path: Path, stop_id: int, max_len: int, answers: str = "finish", min_answer: int = 1,
+                        decode=None) -> tuple[list[Example], dict]:
+    """Training examples from a self-instruct directory (token-id shards, training/shards.py) under an answers
+    policy (finish.finish_shards), and the policy's counts; each prompt once, in shard order."""
+    kept, stats = finish_shards(path, stop_id, max_len, answers, min_answer, decode)
+    return [Example(ids, prompt_len) for ids, prompt_len in kept], stats
 
 Pairs = Iterable[tuple[Sequence[int], Sequence[int]]]  # (prompt_ids, answer_ids), answer through its stop token
 # Token-id sources by file suffix (e.g. ".npz" shards): a reader yields Pairs; anything else is chat JSONL.
@@ -115,8 +122,6 @@ def load_data(path: Path, tok, stop_id: int, max_len: int, answers: str = "finis
         if files:
             return examples_from_pairs((pair for f in files for pair in PAIR_READERS[f.suffix](f)), max_len, stop_id,
                                        answers)
-        from .selfinstruct import shard_paths
-
         if shard_paths(path):
             return load_examples(path, tok, stop_id, max_len, answers)
         raise ValueError(f"data: {path} holds neither `training selfinstruct` shards (shard-*.npz) nor a file "

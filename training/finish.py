@@ -150,16 +150,44 @@ def finish_answer(prompt: Sequence[int], answer: Sequence[int], stopped: bool, *
     return out
 
 
+def finish_shards(path: Path, stop_id: int, max_len: int, policy: str = "finish", min_answer: int = 1,
+                  decode: Callable[[list[int]], str] | None = None) -> tuple[list[tuple[list[int], int]], dict]:
+    """A self-instruct directory's shards under a policy: (ids, prompt length) of each kept sequence, in shard
+    order and each prompt once (a key seen in an earlier shard is skipped), and the policy's counts.
+    `decode(ids) -> str` is the tokenizer's; the loop rule and the sentence ends need it."""
+    from .shards import shard_paths, stored_examples
+
+    if not shard_paths(path):
+        raise FileNotFoundError(f"data: no shard-*.npz in {path} (run: python -m training selfinstruct --out {path})")
+    if decode is None:
+        raise ValueError("finish_shards: pass the tokenizer's decode (the answers policy reads the text)")
+    out: list[tuple[list[int], int]] = []
+    stats, piece = FinishStats(), Pieces(decode)
+    duplicates = 0
+    seen: set[int] = set()
+    for name, key, prompt, answer, stopped in stored_examples(path):
+        if key in seen:
+            duplicates += 1
+            continue
+        seen.add(key)
+        try:
+            ids = finish_answer(prompt, answer, stopped, max_len=max_len, stop_id=stop_id, piece=piece,
+                                policy=policy, stats=stats, min_answer=min_answer)
+        except ValueError as e:
+            raise ValueError(f"data: {name}: {e}") from None
+        if ids is not None:
+            out.append((ids, len(prompt)))
+    return out, stats.to_json() | {"duplicate_keys": duplicates, "answers": policy}
+
+
 def write_report(data: Path, max_lens: Sequence[int]) -> dict:
     """Counts of every policy at each max_len over a self-instruct directory, written into its manifest.json
     under "answers_policy" (with the rules), so the data set says what training will read of it."""
     from engine.loading import bundled_base_dir, load_tokenizer
 
-    from .selfinstruct import load_shard_examples
-
     tok = load_tokenizer(bundled_base_dir(), add_mask_token=False)
     stop_id = tok.convert_tokens_to_ids("<|im_end|>")
-    counts = {str(n): {pol: load_shard_examples(data, stop_id, n, pol, decode=tok.decode)[1] for pol in POLICIES}
+    counts = {str(n): {pol: finish_shards(data, stop_id, n, pol, decode=tok.decode)[1] for pol in POLICIES}
               for n in max_lens}
     report = {"default": "finish", "rules": RULES, "by_max_len": counts}
     mpath = data / "manifest.json"

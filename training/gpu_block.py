@@ -18,11 +18,15 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from . import weights
 from .weights import MIB
+
+if TYPE_CHECKING:
+    from .train import TrainConfig
 
 REPO = Path(__file__).resolve().parent.parent
 PARTS_DIR = REPO / ".gl" / "gguf"  # ignored; carried part by part
@@ -228,7 +232,8 @@ def stage_data(out: Path, cfg, parts_dir: Path = PARTS_DIR, seed_from: Path | No
 
     `seed_from` (the repo's committed shards): copied in first and counted as sent, so their prompts are not
     answered again and only new answers come back."""
-    from .selfinstruct import run, shard_paths
+    from .selfinstruct import run
+    from .shards import shard_paths
 
     require_base(parts_dir)
     sent_file = cfg.out / "sent.json"  # shards already handed back by an earlier command on this machine
@@ -275,7 +280,7 @@ def stage_data(out: Path, cfg, parts_dir: Path = PARTS_DIR, seed_from: Path | No
 
 
 def _pack(group: list[Path], stage: Path) -> Path:
-    from .selfinstruct import Shard
+    from .shards import Shard
 
     shard = Shard.concat([Shard.load(p) for p in group])
     # named by content: packs from different commands (or machines) never overwrite each other here
@@ -304,17 +309,16 @@ def rates(steps: list[dict]) -> dict:
     return {k: round(sum(r.get(key, 0) for r in steps[1:]) / secs, 1) if secs > 0 else None for k, key in names.items()}
 
 
-def stage_train(out: Path, data: Path, run: Path, minutes: float, trainer_args: list[str],
-                parts_dir: Path = PARTS_DIR) -> dict:
-    """The trainer's own CLI for `minutes` (it resumes from `run`), then a slim checkpoint + log to $OUT."""
-    from .__main__ import main
-    from .train import latest_checkpoint
+def stage_train(out: Path, cfg: TrainConfig, parts_dir: Path = PARTS_DIR) -> dict:
+    """`train.train(cfg)` for cfg.minutes (it resumes from cfg.run), then a slim checkpoint + log to $OUT."""
+    from .train import latest_checkpoint, train
 
     require_base(parts_dir)
+    run = cfg.run
     log = run / "log.jsonl"
     lines_before = len(log.read_text().splitlines()) if log.exists() else 0
     t0 = time.perf_counter()
-    main(["train", "--data", str(data), "--run", str(run), "--minutes", str(minutes), *trainer_args])
+    train(cfg)
     wall = time.perf_counter() - t0
     recs = [json.loads(line) for line in log.read_text().splitlines()[lines_before:]]
     steps = [r for r in recs if "loss" in r]

@@ -25,13 +25,10 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import numpy as np
-
-from .examples import Example
 from .data_prompts import EvalFilter, load_excluded_prompts, normalise_prompt
+from .shards import SOURCES, answered_keys, make_shard, shard_paths, summarize
 
 FORMAT = "fastdllm-selfinstruct-v1"
-SOURCES = ("train", "magpie")  # stored as uint8 codes
 MARKUP = ("<|im_start|>", "<|im_end|>", "|<MASK>|", "<|endoftext|>")
 FILTER_RULES = {
     "magpie_kept_if": "the sampled user turn ended with the stop token, has 3 to 150 words, and no chat markup",
@@ -182,69 +179,6 @@ def build_prompts(cfg: SelfInstructConfig) -> tuple[list[tuple[str, str]], dict]
     return kept, counts
 
 
-# ------------------------------------------------------------------------------------------ shards
-@dataclass(slots=True)
-class Shard:
-    """Answered prompts in columns; `tokens` holds each example's prompt then answer ids, back to back."""
-
-    keys: np.ndarray  # uint64 [N]
-    sources: np.ndarray  # uint8 [N], index into SOURCES
-    prompt_len: np.ndarray  # uint32 [N]
-    answer_len: np.ndarray  # uint32 [N]
-    stopped: np.ndarray  # bool [N]: the answer ends with the stop token (else cut at max_new_tokens)
-    tokens: np.ndarray  # uint16 (uint32 for vocabularies over 65,535) [sum of lengths]
-
-    def __len__(self) -> int:
-        return len(self.keys)
-
-    def save(self, path: Path) -> None:
-        tmp = path.with_name(f".{path.stem}.tmp{os.getpid()}.npz")  # hidden from shard_paths' glob until renamed
-        np.savez_compressed(tmp, **{k: getattr(self, k) for k in self.__slots__})
-        os.replace(tmp, path)
-
-    @classmethod
-    def load(cls, path: Path) -> "Shard":
-        with np.load(path) as z:
-            return cls(**{k: z[k] for k in cls.__slots__})
-
-    @classmethod
-    def concat(cls, shards: list["Shard"]) -> "Shard":
-        return cls(**{k: np.concatenate([getattr(s, k) for s in shards]) for k in cls.__slots__})
-
-    def examples(self) -> list[tuple[int, list[int], list[int], bool]]:
-        """(key, prompt ids, answer ids, stopped) per example."""
-        out, at = [], 0
-        ends = np.cumsum(self.prompt_len.astype(np.int64) + self.answer_len)
-        toks = self.tokens.tolist()
-        for i, end in enumerate(ends.tolist()):
-            p = int(self.prompt_len[i])
-            out.append((int(self.keys[i]), toks[at:at + p], toks[at + p:end], bool(self.stopped[i])))
-            at = end
-        return out
-
-
-def shard_paths(out: Path) -> list[Path]:
-    return sorted(out.glob("shard-*.npz"))
-
-
-def make_shard(rows: list[tuple[int, int, list[int], list[int], bool]], vocab: int) -> Shard:
-    dtype = np.uint16 if vocab <= np.iinfo(np.uint16).max + 1 else np.uint32
-    return Shard(keys=np.array([r[0] for r in rows], dtype=np.uint64),
-                 sources=np.array([r[1] for r in rows], dtype=np.uint8),
-                 prompt_len=np.array([len(r[2]) for r in rows], dtype=np.uint32),
-                 answer_len=np.array([len(r[3]) for r in rows], dtype=np.uint32),
-                 stopped=np.array([r[4] for r in rows], dtype=bool),
-                 tokens=np.array([t for r in rows for t in r[2] + r[3]], dtype=dtype))
-
-
-def answered_keys(out: Path) -> set[int]:
-    keys: set[int] = set()
-    for p in shard_paths(out):
-        with np.load(p) as z:
-            keys.update(z["keys"].tolist())
-    return keys
-
-
 # ------------------------------------------------------------------------------------------ answers
 def answer(engine, cfg: SelfInstructConfig, prompts: list[tuple[str, str]], deadline: float) -> dict:
     """Greedy AR answers for prompts not yet in a shard; a shard every cfg.shard_examples answers."""
@@ -290,26 +224,6 @@ def answer(engine, cfg: SelfInstructConfig, prompts: list[tuple[str, str]], dead
 
 
 # ------------------------------------------------------------------------------------------ manifest
-def summarize(out: Path) -> dict:
-    """Counts over every shard in the directory (deduplicated by key)."""
-    seen: set[int] = set()
-    n = ans = stopped = 0
-    by_source = dict.fromkeys(SOURCES, 0)
-    files = []
-    for p in shard_paths(out):
-        s = Shard.load(p)
-        new = np.array([k not in seen for k in s.keys.tolist()], dtype=bool)
-        seen.update(s.keys.tolist())
-        n += int(new.sum())
-        ans += int(s.answer_len[new].sum())
-        stopped += int(s.stopped[new].sum())
-        for code, name in enumerate(SOURCES):
-            by_source[name] += int((s.sources[new] == code).sum())
-        files.append({"file": p.name, "examples": len(s), "bytes": p.stat().st_size})
-    return {"examples": n, "answer_tokens": ans, "stopped": stopped, "truncated": n - stopped,
-            "by_source": by_source, "shards": files}
-
-
 def run(cfg: SelfInstructConfig) -> dict:
     """Magpie rounds, then the prompt list, then answers; updates and returns manifest.json."""
     from engine import Engine
@@ -351,39 +265,3 @@ def run(cfg: SelfInstructConfig) -> dict:
     tmp.write_text(json.dumps(manifest, indent=1, ensure_ascii=False))
     os.replace(tmp, mpath)
     return manifest
-
-
-# ------------------------------------------------------------------------------------------ reader
-def load_shard_examples(path: Path, stop_id: int, max_len: int, answers: str = "finish", min_answer: int = 1,
-                        decode=None) -> tuple[list[Example], dict]:
-    """Training examples from a self-instruct directory under an answers policy (training/finish.py), and
-    the policy's counts. `decode(ids) -> str` is the tokenizer's; the loop rule and the sentence ends need it.
-
-    The trainer reaches this through examples.load_examples(path=<directory>). Examples are in shard order,
-    each prompt once (a key seen in an earlier shard is skipped).
-    """
-    from .finish import FinishStats, Pieces, finish_answer
-
-    files = shard_paths(path)
-    if not files:
-        raise FileNotFoundError(f"data: no shard-*.npz in {path} (run: python -m training selfinstruct --out {path})")
-    if decode is None:
-        raise ValueError("load_shard_examples: pass the tokenizer's decode (the answers policy reads the text)")
-    out: list[Example] = []
-    stats, piece = FinishStats(), Pieces(decode)
-    duplicates = 0
-    seen: set[int] = set()
-    for f in files:
-        for key, prompt, ans, stopped in Shard.load(f).examples():
-            if key in seen:
-                duplicates += 1
-                continue
-            seen.add(key)
-            try:
-                ids = finish_answer(prompt, ans, stopped, max_len=max_len, stop_id=stop_id, piece=piece,
-                                    policy=answers, stats=stats, min_answer=min_answer)
-            except ValueError as e:
-                raise ValueError(f"data: {f.name}: {e}") from None
-            if ids is not None:
-                out.append(Example(ids, len(prompt)))
-    return out, stats.to_json() | {"duplicate_keys": duplicates, "answers": answers}
