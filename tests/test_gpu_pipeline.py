@@ -13,7 +13,7 @@ import torch
 from safetensors import safe_open
 
 from engine import Engine
-from engine.loading import build_model, bundled_base_dir, bundled_gguf_path, load_tokenizer
+from engine.loading import MASK_TOKEN, build_model, bundled_base_dir, bundled_gguf_path, load_tokenizer
 from training import gpu_block, weights
 from training.__main__ import main
 from training.examples import load_examples
@@ -260,7 +260,7 @@ def test_export_writes_fast_dllm_checkpoint_equal_to_base_plus_adapter(block, tm
     assert {f"model.layers.29.self_attn.{p}_proj.bias" for p in "qkv"} <= names and "lm_head.weight" not in names
     assert not bias.any()
     tok_cfg = json.loads((merged / "tokenizer_config.json").read_text())
-    assert "|<MASK>|" in tok_cfg["additional_special_tokens"]
+    assert MASK_TOKEN in tok_cfg["additional_special_tokens"]
 
     monkeypatch.setenv("FASTDLLM_ADAPTER", str(adapter))
     a = Engine.load()  # base + adapter (fp32, plain layout)

@@ -66,7 +66,7 @@ def cmd_throughput(a: argparse.Namespace) -> None:
 
     _threads(a.threads)
     if a.padding:
-        from engine.loading import load_tokenizer, resolve_source
+        from engine.loading import MASK_TOKEN, load_tokenizer, resolve_source
 
         from .examples import load_data
         from .train_speed import padding_table
@@ -74,7 +74,7 @@ def cmd_throughput(a: argparse.Namespace) -> None:
         tok = load_tokenizer(resolve_source("bundled-base").path, add_mask_token=True)
         vocab = tok.get_vocab()
         examples, _ = load_data(a.data, tok, vocab["<|im_end|>"], a.max_len)
-        rows = padding_table(examples, vocab["|<MASK>|"], [(4, 4), (16, 16), (16, 4), (64, 8), (64, 4)])
+        rows = padding_table(examples, vocab[MASK_TOKEN], [(4, 4), (16, 16), (16, 4), (64, 8), (64, 4)])
         a.out.parent.mkdir(parents=True, exist_ok=True)
         a.out.write_text(json.dumps({"data": str(a.data), "max_len": a.max_len, "recipe": "full", "rows": rows}, indent=1))
         print(json.dumps(rows, indent=1))

@@ -59,7 +59,7 @@ def score_heldout(model, val: list, block_size: int, mask_id: int, pad_id: int, 
 
 def heldout_metrics(adapter: Path, data: Path, val_size: int, block_size: int) -> dict:
     """score_heldout for the bundled base + this adapter on the last val_size examples of the data."""
-    from engine.loading import apply_adapter, build_model, load_tokenizer, resolve_source
+    from engine.loading import MASK_TOKEN, apply_adapter, build_model, load_tokenizer, resolve_source
 
     from .examples import load_examples
 
@@ -67,7 +67,7 @@ def heldout_metrics(adapter: Path, data: Path, val_size: int, block_size: int) -
     model = apply_adapter(build_model(src.path, torch.device("cpu"), torch.float32), adapter).eval()
     tok = load_tokenizer(src.path, add_mask_token=True)
     vocab = tok.get_vocab()
-    mask_id, stop_id = vocab["|<MASK>|"], vocab["<|im_end|>"]
+    mask_id, stop_id = vocab[MASK_TOKEN], vocab["<|im_end|>"]
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else stop_id
     examples, _ = load_examples(data, tok, stop_id, 256)
     return score_heldout(model, examples[len(examples) - val_size:], block_size, mask_id, pad_id)

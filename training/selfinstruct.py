@@ -25,11 +25,13 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from engine.loading import MASK_TOKEN
+
 from .data_prompts import EvalFilter, load_excluded_prompts, normalise_prompt
 from .shards import SOURCES, answered_keys, make_shard, shard_paths, summarize
 
 FORMAT = "fastdllm-selfinstruct-v1"
-MARKUP = ("<|im_start|>", "<|im_end|>", "|<MASK>|", "<|endoftext|>")
+MARKUP = ("<|im_start|>", "<|im_end|>", MASK_TOKEN, "<|endoftext|>")
 FILTER_RULES = {
     "magpie_kept_if": "the sampled user turn ended with the stop token, has 3 to 150 words, and no chat markup",
     "dedup": "exact match after case-folding and collapsing whitespace (data_prompts.normalise_prompt); "

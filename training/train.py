@@ -390,7 +390,8 @@ def latest_checkpoint(run: Path) -> Path | None:
 
 def train(cfg: TrainConfig) -> Trainer:
     """Load the base and data, resume from the run directory when it has a checkpoint, train."""
-    from engine.loading import load_tokenizer, resolve_source, build_model
+    from engine.loading import MASK_TOKEN, build_model, load_tokenizer, resolve_source
+
     from .examples import load_data
 
     source = resolve_source(cfg.model)
@@ -398,7 +399,7 @@ def train(cfg: TrainConfig) -> Trainer:
     model = build_model(source.path, dev, torch.float32)
     tok = load_tokenizer(source.path, add_mask_token=True)
     vocab = tok.get_vocab()
-    mask_id, stop_id = vocab["|<MASK>|"], vocab["<|im_end|>"]
+    mask_id, stop_id = vocab[MASK_TOKEN], vocab["<|im_end|>"]
     if mask_id > model.cfg.vocab_size:
         raise ValueError(f"mask token id {mask_id} leaves a gap after the {model.cfg.vocab_size} embedding rows")
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else stop_id

@@ -89,7 +89,7 @@ def profile_step(trainer, top: int = 12) -> list[dict]:
 
 
 def measure(cfg: ThroughputConfig) -> dict:
-    from engine.loading import build_model, load_tokenizer, resolve_source
+    from engine.loading import MASK_TOKEN, build_model, load_tokenizer, resolve_source
 
     from .examples import load_data
     from .train import TrainConfig, Trainer
@@ -98,7 +98,7 @@ def measure(cfg: ThroughputConfig) -> dict:
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     tok = load_tokenizer(src.path, add_mask_token=True)
     vocab = tok.get_vocab()
-    mask_id, stop_id = vocab["|<MASK>|"], vocab["<|im_end|>"]
+    mask_id, stop_id = vocab[MASK_TOKEN], vocab["<|im_end|>"]
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else stop_id
     examples, _ = load_data(cfg.data, tok, stop_id, cfg.max_len)
     base = build_model(src.path, dev, torch.float32)
