@@ -86,12 +86,18 @@ def heatmap_figure(trace: Trace | None) -> go.Figure:
                              hovertemplate="committed at forward %{y}: answer token %{x}<br>%{customdata}"
                                            "<extra></extra>"))
     cfg = trace.header.get("config", {})
-    title = (f"confidence while masked · {cfg.get('mode', '?')} · block {cfg.get('block_size')} / "
-             f"sub-block {cfg.get('sub_block_size')} · threshold {cfg.get('threshold')}")
-    fig = _layout(fig, title, 420)
-    fig.update_xaxes(title="answer token (1 = first)", tickformat="d", dtick=max(1, round(width / 16)))
-    fig.update_yaxes(title="forward (NFE, 1 = first)", autorange="reversed", tickformat="d",
-                     dtick=max(1, round(len(steps) / 12)))
+    title = f"confidence while masked · {cfg.get('mode', '?')}"
+    sub = (f"block {cfg.get('block_size')} / sub-block {cfg.get('sub_block_size')} · "
+           f"threshold {cfg.get('threshold')}")
+    fig = _layout(fig, title, 440)
+    # two short lines just above the plot, clear of plotly's toolbar (top right), which covered one long line on a
+    # phone; the config line is escaped as the title is (a trace may be an upload)
+    fig.update_layout(title=dict(text=f"{html.escape(title)}<br><sup>{html.escape(sub)}</sup>", yref="paper", y=1,
+                                 yanchor="bottom", pad=dict(b=10)), margin=dict(t=84))
+    # tick spacing left to plotly, which spaces labels by the axis' drawn length, so a phone's do not overlap (a
+    # fixed step of width/16 drew 16 rotated labels on a 250 px axis)
+    fig.update_xaxes(title="answer token (1 = first)", tickformat="d")
+    fig.update_yaxes(title="forward (NFE, 1 = first)", autorange="reversed", tickformat="d")
     fig.update_layout(showlegend=False)
     return fig
 

@@ -141,17 +141,37 @@ def presets_html(presets: list[dict[str, Any]], measured: Measured | None, strat
     value), with the bundled adapter's measured tokens/forward and accuracy at that threshold when known."""
     active = next((p for p in presets if p["settings"].get("strategy", "threshold") == strategy
                    and abs(float(p["settings"].get("threshold", -1)) - threshold) < 1e-9), None)
+    # the note is a column of lines (CSS): a name, then what it does; never a line that starts with punctuation
     if active is not None:
-        head = f'<b>{esc(active["label"])}</b> {esc(active["effect"])}'
+        head = f'<b>{esc(active["label"])}</b><span>{esc(active["effect"])}</span>'
     elif strategy == "factor":
-        head = "<b>Factor strategy</b> commits the largest n tokens with (n+1)(1-c<sub>n</sub>) &lt; factor."
+        head = ("<b>Factor strategy</b><span>Commits the largest n tokens with (n+1)(1-c<sub>n</sub>) &lt; "
+                "factor.</span>")
     else:
-        head = f"<b>Custom threshold {threshold:g}</b>: lower commits more tokens per forward, higher is more careful."
+        head = (f"<b>Custom threshold {threshold:g}</b><span>Lower commits more tokens per forward; higher is more "
+                "careful.</span>")
     m = measured.at(threshold) if measured is not None and strategy == "threshold" else None
     num = (f' <span class="fd-preset-num">Measured on this model: {m[1]:.2f} tokens/forward, '
            f'{_pct(m[0] / measured.ar_accuracy)} of AR accuracy.</span>') if m else ""
     data = f' data-preset="{esc(active["id"])}"' if active is not None else ""
     return f'<div class="fd-presets"{data}>{head}{num}</div>'
+
+
+def field_error(e: Exception) -> str:
+    """A refused setting or message, said inline beside the control (role=alert: read out at once); escaped, since
+    the value quoted in it came from the browser."""
+    field = getattr(e, "field", None)
+    data = f' data-field="{esc(field)}"' if field else ""
+    return f'<div class="fd-field-error" role="alert"{data}>⚠ {esc(e)}</div>'
+
+
+def sweep_progress(point: int, points: int, run: int, runs: int, threshold: float, block_size: int,
+                   seconds: float, chars: int) -> str:
+    """The sweep's status while it runs: which point and run, how long this run has taken, the answer's length."""
+    what = f"{chars} characters of answer so far" if chars else "no answer text yet"
+    return (f'<div class="fd-sweep-progress" role="status" data-point="{point + 1}">Point {point + 1} of {points} '
+            f'(threshold {threshold:g}, block {block_size}) · run {run + 1} of {runs} · {seconds:.0f} s · '
+            f'{what}…</div>')
 
 
 def knobs_html(settings: dict[str, Any]) -> str:

@@ -131,8 +131,8 @@ def to_config(engine: Any, settings: dict[str, Any] | None, **overrides: Any) ->
         if k in s:
             s[k] = _int_like(s[k])
     check_limits(s)
-    if "seed" in s and (s["seed"] is None or s["seed"] == "" or s["seed"] == -1):
-        s["seed"] = None  # -1 or empty: a fresh random seed
+    if "seed" in s:
+        s["seed"] = check_seed(s["seed"])  # -1 or empty: None, a fresh random seed
     cfg = engine.decode_config(**s)
     if cfg.mode == "diffusion" and not engine.can_diffuse:
         raise ConfigError("mode", "this model has no |<MASK>| token (no Fast-dLLM v2 adapter loaded), so it can "
@@ -147,6 +147,21 @@ def check_limits(s: dict[str, Any]) -> None:
     n = s.get("max_new_tokens", 1)
     if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= MAX_NEW_TOKENS:
         raise ConfigError("max_new_tokens", f"must be an integer in [1, {MAX_NEW_TOKENS}] (got {n!r})")
+
+
+SEED_RANGE = "-1 (a fresh random seed each run) or an integer in [0, 2^63)"
+
+
+def check_seed(seed: Any) -> int | None:
+    """The seed a widget or client sent: None for a fresh random seed (-1, empty), else an integer in [0, 2^63)."""
+    seed = _int_like(seed)
+    if seed is None or seed == "" or seed == -1:
+        return None
+    if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < 2**63:
+        shown = f"{seed:g}" if isinstance(seed, (int, float)) and not isinstance(seed, bool) and abs(seed) >= 1e15 \
+            else repr(seed)
+        raise ConfigError("seed", f"must be {SEED_RANGE} (got {shown})")
+    return seed
 
 
 def check_repeats(repeats: Any) -> int:

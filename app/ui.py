@@ -5,6 +5,7 @@ import json
 import os
 import tempfile
 import threading
+import time
 import uuid
 from collections import OrderedDict
 from contextlib import closing
@@ -19,7 +20,7 @@ from . import api, plots, render
 from .api import SLOTS, engine_slots, error
 from .card import measured_for
 from .settings import BLOCK_SIZES, INFO, KNOBS, MAX_NEW_TOKENS, MAX_REPEATS, PRESETS, SWEEP_THRESHOLDS, \
-    WIDGET_KEYS, check_repeats, defaults, divisors, fit_sub_block, knobs_on, knobs_summary, settings_from_widgets
+    WIDGET_KEYS, check_repeats, check_seed, defaults, divisors, fit_sub_block, knobs_on, knobs_summary, settings_from_widgets
 from .stream import cancel_event, release, request_stop, stop_scope
 from .studio import Prepared, Studio
 from .traces import MAX_TRACE_BYTES, TraceError, parse_trace, trace_label
@@ -162,11 +163,15 @@ def build(studio: Studio, slots: int = SLOTS) -> gr.Blocks:
                                      placeholder="Ask something, or pick an example: the answer is decoded block "
                                                  "by block, several tokens per forward when the model is confident.")
                 with gr.Row(elem_id="fd-compose"):
-                    msg = gr.Textbox(placeholder="Message (Enter sends)", show_label=False,
-                                     scale=8, lines=1, max_lines=6, elem_id="fd-msg", autofocus=True, container=False)
+                    # no autofocus: it scrolls the page to the box on load (a phone lands mid-page); studio.js
+                    # focuses it without scrolling where a keyboard is likely (a fine pointer, a wide window)
+                    msg = gr.Textbox(placeholder="Message (Enter sends)", label="Message", show_label=False,
+                                     scale=8, lines=1, max_lines=6, elem_id="fd-msg", container=False)
                     send = gr.Button("Send", variant="primary", scale=1, min_width=64, elem_id="fd-send")
                     stop = gr.Button("Stop", variant="stop", scale=1, min_width=64, interactive=False,
                                      elem_id="fd-stop")
+                # a refused send says why here, naming the setting; the chat and the message stay as they were
+                send_error = gr.HTML("", js_on_load=None, elem_id="fd-send-error")
                 with gr.Row(elem_id="fd-preset-row"):
                     preset_btns = [gr.Button(p["label"], size="sm", scale=1, min_width=90,
                                              elem_id=f"fd-preset-{p['id']}", elem_classes=["fd-preset-btn"],
@@ -194,13 +199,18 @@ def build(studio: Studio, slots: int = SLOTS) -> gr.Blocks:
                         factor = gr.Slider(0.1, 10.0, value=d["factor"], step=0.1, label="factor",
                                            info=INFO["factor"], visible=False)
                     with gr.Row():
-                        max_new = gr.Slider(8, MAX_NEW_TOKENS, value=d["max_new_tokens"], step=8,
+                        max_new = gr.Slider(1, MAX_NEW_TOKENS, value=d["max_new_tokens"], step=1,
                                             label="max new tokens", info=INFO["max_new_tokens"], elem_id="fd-max-new")
                         temperature = gr.Slider(0.0, 2.0, value=d["temperature"], step=0.05, label="temperature",
                                                 info=INFO["temperature"], elem_id="fd-temperature")
                     with gr.Row():
                         top_p = gr.Slider(0.05, 1.0, value=d["top_p"], step=0.01, label="top-p", info=INFO["top_p"])
-                        seed = gr.Number(value=d["seed"], precision=0, minimum=-1, label="seed", info=INFO["seed"])
+                        with gr.Column(min_width=160):
+                            # no minimum=: Gradio would refuse -5 only at Send, with its own words; seed_error
+                            # says what is allowed as soon as the field changes (check_seed)
+                            seed = gr.Number(value=d["seed"], precision=0, label="seed", info=INFO["seed"],
+                                             elem_id="fd-seed")
+                            seed_error = gr.HTML("", js_on_load=None, elem_id="fd-seed-error")
                     gr.Markdown("**Repetition knobs** (all off by default; applied to every candidate a diffusion "
                                 "step scores, and to AR)", elem_id="fd-knobs-head")
                     with gr.Row():
@@ -246,7 +256,7 @@ def build(studio: Studio, slots: int = SLOTS) -> gr.Blocks:
                             "runs **alternate: diffusion, AR, diffusion, AR, …**; the meters show the median run, the "
                             "tokens/s range over the repeats, all on engine time.")
                 with gr.Row():
-                    race_msg = gr.Textbox(value=EXAMPLES[1], show_label=False, scale=6, placeholder="Prompt to race",
+                    race_msg = gr.Textbox(value=EXAMPLES[1], label="Prompt to race", show_label=False, scale=6, placeholder="Prompt to race",
                                           elem_id="fd-race-msg")
                     race_reps = gr.Slider(1, MAX_REPEATS, value=3, step=1, label="runs each", scale=2,
                                           elem_id="fd-race-reps")
@@ -272,7 +282,7 @@ def build(studio: Studio, slots: int = SLOTS) -> gr.Blocks:
                             "as in Decoding settings: how tokens/s and tokens per forward move with the threshold. "
                             "Each point is the median of its runs; bars show the tokens/s range.")
                 with gr.Row():
-                    sweep_msg = gr.Textbox(value=EXAMPLES[0], show_label=False, scale=4, placeholder="Prompt to sweep",
+                    sweep_msg = gr.Textbox(value=EXAMPLES[0], label="Prompt to sweep", show_label=False, scale=4, placeholder="Prompt to sweep",
                                            elem_id="fd-sweep-msg")
                     sweep_th = gr.CheckboxGroup(list(SWEEP_THRESHOLDS), value=[0.5, 0.7, 0.9, 1.0], label="thresholds",
                                                 scale=3)
@@ -308,6 +318,14 @@ def build(studio: Studio, slots: int = SLOTS) -> gr.Blocks:
                                  *(gr.update(value=p["settings"][k]) if k in p["settings"] else gr.skip()
                                    for k in KNOBS)),
                     None, [strategy, threshold, mode, *knob_widgets], **private)
+        def seed_check(v: Any) -> str:
+            try:
+                check_seed(v)
+            except ConfigError as e:
+                return render.field_error(e)
+            return ""
+
+        seed.change(seed_check, seed, seed_error, **private)
         gr.on([w.change for w in knob_widgets], lambda *v: render.knobs_html(dict(zip(KNOBS, v))), knob_widgets,
               knobs_info, **private)
 
@@ -347,13 +365,14 @@ def build(studio: Studio, slots: int = SLOTS) -> gr.Blocks:
 
         # ------------------------------------------------------------------ chat
         chat_outputs = [msg, chatbot, convo, live, meters, traces, replay_pick, player, heatmap, download, replay_meta,
-                        send, stop]
+                        send, stop, send_error]
 
         def chat_ui(request: gr.Request, message: str, conv: list, trs: list, *values: Any):
             try:
                 prep = studio.prepare(message, conv, settings_from_widgets(*values))
-            except ConfigError as e:
-                raise error(e) from None
+            except ConfigError as e:  # said beside the message box; a raised gr.Error would blank the whole chat
+                yield {send_error: render.field_error(e)}
+                return
             user = {"role": "user", "content": message}
             answer = ""
 
@@ -365,7 +384,7 @@ def build(studio: Studio, slots: int = SLOTS) -> gr.Blocks:
                 return {chatbot: render.chat_display(conv + [user, {"role": "assistant", "content": shown}])} \
                     if delta or not events else {}
 
-            start = {msg: "", send: gr.update(interactive=False), stop: gr.update(interactive=True)}
+            start = {msg: "", send: gr.update(interactive=False), stop: gr.update(interactive=True), send_error: ""}
             result, last = yield from live_run(prep, run_key(request, "chat"), live, start, bubble)
             stopped = result.summary.stop_reason == render.STOPPED
             reply = {"role": "assistant", "content": result.text, **({"stopped": True} if stopped else {}),
@@ -446,8 +465,9 @@ def build(studio: Studio, slots: int = SLOTS) -> gr.Blocks:
             try:
                 preps = studio.race_preps(message, settings_from_widgets(*values))
                 reps = check_repeats(reps)
-            except ConfigError as e:
-                raise error(e) from None
+            except ConfigError as e:  # inline, above the race's views: they keep the last race
+                yield {race_meters: render.race_html([], [], "Not started.") + render.field_error(e)}
+                return
             runs: dict[str, list[Result]] = {"diffusion": [], "ar": []}
             views = {"diffusion": race_d, "ar": race_ar}
             # one stop flag for all the runs, made before the first frame: a Stop between two runs is kept
@@ -495,23 +515,35 @@ def build(studio: Studio, slots: int = SLOTS) -> gr.Blocks:
             try:
                 plan = studio.sweep_plan(message, ths, bss, settings_from_widgets(*values))
                 reps = check_repeats(reps)
-            except ConfigError as e:
-                raise error(e) from None
+            except ConfigError as e:  # inline: the plot and table keep the last sweep
+                yield {sweep_status: render.field_error(e)}
+                return
             key, rows = run_key(request, "sweep"), []
             total = len(plan) * reps
             with stop_scope(key):  # one flag for the whole sweep, before Stop is enabled: none lost between points
+                knobs = render.knobs_html(plan[0].cfg.to_dict()) if knobs_on(plan[0].cfg) else ""
+
+                def progress(i: int, k: int, t0: float, text: str = "") -> str:
+                    return render.sweep_progress(i, len(plan), k, reps, plan[i].cfg.threshold,
+                                                 plan[i].cfg.block_size, time.perf_counter() - t0, len(text)) + knobs
+
+                t0 = time.perf_counter()
                 yield {sweep_btn: gr.update(interactive=False, value=f"Running 0/{total}…"),
-                       sweep_stop: gr.update(interactive=True), sweep_status: render.knobs_html(plan[0].cfg.to_dict())
-                       if knobs_on(plan[0].cfg) else ""}
+                       sweep_stop: gr.update(interactive=True), sweep_status: progress(0, 0, t0)}
                 for i, prep in enumerate(plan):
                     results: list[Result] = []
                     for k in range(reps):
-                        res = None
+                        res, t0, shown = None, time.perf_counter(), 0.0
+                        if i or k:
+                            yield {sweep_status: progress(i, k, t0)}
                         try:
                             with closing(studio.steps(prep, key)) as steps:
                                 for x in steps:
                                     if isinstance(x, Result):
                                         res = x
+                                    elif time.perf_counter() - shown >= 0.5:  # the status, twice a second
+                                        shown = time.perf_counter()
+                                        yield {sweep_status: progress(i, k, t0, x)}
                                     else:  # an empty frame: a closed tab ends the generator here, within one forward
                                         yield gr.skip()
                         except Exception as e:
@@ -526,6 +558,8 @@ def build(studio: Studio, slots: int = SLOTS) -> gr.Blocks:
                     rows.append(studio.sweep_row(prep, results))
                     yield {sweep_plot: plots.sweep_figure(rows),
                            sweep_table: [[r[c] for c in SWEEP_COLUMNS] for r in rows]}
+                yield {sweep_status: f'<div class="fd-sweep-progress" role="status">Done: {len(plan)} point(s), '
+                                     f'{reps} run(s) each.</div>{knobs}'}
 
         sweep_btn.click(sweep_ui, [sweep_msg, sweep_th, sweep_bs, sweep_reps, *widgets],
                         [sweep_plot, sweep_table, sweep_btn, sweep_stop, sweep_status], **quiet).then(

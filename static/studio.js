@@ -16,7 +16,7 @@
     steps: "decoding forwards (prefill + sub-block steps; block-commit forwards not counted)",
     block: "active block, counted from 1 on the block grid (which starts at the prompt's first token)",
     "sub-block": "active sub-block inside the block / sub-blocks per block",
-    tokens: "committed answer tokens / max new tokens",
+    tokens: "answer tokens so far (the committed prefix, as the chat shows it: a token committed after a still-masked one counts once the gap fills) / max new tokens",
     "tok/forward": "committed tokens per forward so far",
     engine: "engine time since decoding started (UI excluded)",
   };
@@ -141,18 +141,37 @@
       this.plen = Math.max(0, head.prompt_len | 0);
       this.maxNew = Math.max(1, cfg.max_new_tokens | 0);
       this.mode = cfg.mode === "ar" ? "ar" : "diffusion";
-      this.nfe = 0; this.steps = 0; this.commits = 0; this.tokens = 0; this.t = 0;
+      this.nfe = 0; this.steps = 0; this.commits = 0; this.tokens = 0; this.t = 0; this.stopSeen = false;
+      this.stops = new Set((cfg.stop_token_ids || []).map(Number));
       this.block = -1; this.sub = -1; this.activeEl = null; this.fresh = [];
       this.done = null;
       this.empty.hidden = true;
       this.root.classList.toggle("fd-ar", this.mode === "ar");
       this.root.classList.remove("fd-is-stopped", "fd-is-unfinished");
-      this.setStatus("running", this.mode === "ar" ? "AR baseline · one token per forward" : "block diffusion");
+      // nothing arrives until the prompt's forward (prefill) ends: a long prompt takes a while on a CPU, so say so
+      this.setStatus("running", `prefilling ${this.plen.toLocaleString("en-US")} prompt tokens… (the first forward reads the whole prompt)`, "prefill");
       this.renderStats();
     }
 
-    setStatus(state, text) {
-      this.status.replaceChildren(el("span", `fd-badge fd-badge-${state}`, state), el("span", "fd-status-t", text));
+    runningText() {
+      return this.mode === "ar" ? "AR baseline · one token per forward" : "block diffusion";
+    }
+
+    advancePrefix() {
+      // the tokens stat is the answer so far: the contiguous committed prefix through the first stop token, as the
+      // engine's summary counts it, so it never goes down when the run ends (or is stopped) with gaps still masked
+      while (!this.stopSeen) {
+        const c = this.cells.get(this.tokens);
+        if (!c || !c.committed) break;
+        this.tokens += 1;
+        if (this.stops.has(Number(c.id))) this.stopSeen = true;
+      }
+    }
+
+    setStatus(state, text, badge) {
+      const b = el("span", `fd-badge fd-badge-${state}`, badge || state);
+      if (badge) b.classList.add(`fd-badge-${badge}`);
+      this.status.replaceChildren(b, el("span", "fd-status-t", text));
     }
 
     renderStats() {
@@ -248,6 +267,7 @@
       if (!this.head) return;
       this.applied += 1;
       if (ev.kind === "done") { this.t = ev.t; this.finish(null); return; }
+      if (this.nfe === 0 && !this.done) this.setStatus("running", this.runningText());
       this.nfe = ev.nfe; this.t = ev.t;
       if (ev.kind === "commit") this.commits += 1; else this.steps += 1;
       for (const c of this.fresh) c.classList.remove("fd-fresh");
@@ -285,8 +305,8 @@
         const badge = el("span", "fd-step", String(ev.nfe));
         e.append(badge);
         this.fresh.push(e);
-        this.tokens += 1;
       }
+      this.advancePrefix();
       this.block = ev.block;
       this.sub = ev.sub_block;
       this.setActive(this.mode === "diffusion" ? ev.block : -1, ev.sub_block);
@@ -434,7 +454,10 @@
       root.replaceChildren();
       root.classList.add("fd-player");
       const bar = el("div", "fd-controls");
-      const btn = (label, title, fn) => { const b = el("button", "fd-btn", label); b.type = "button"; b.title = title; b.addEventListener("click", fn); bar.append(b); return b; };
+      const btn = (label, title, fn) => {  // glyphs on screen; their words for screen readers
+        const b = el("button", "fd-btn", label); b.type = "button"; b.title = title; b.setAttribute("aria-label", title);
+        b.addEventListener("click", fn); bar.append(b); return b;
+      };
       btn("⇤", "to the start", () => { this.pause(); this.seek(0); });
       btn("◀", "step back one forward", () => { this.pause(); this.seek(this.i - 1); });
       this.playBtn = btn("▶", "play / pause", () => (this.playing ? this.pause() : this.play()));
@@ -444,11 +467,13 @@
       const sp = el("label", "fd-speed", "speed ");
       this.speedSel = el("select", "fd-speed-sel");
       for (const s of SPEEDS) { const o = el("option", null, `${s}×`); o.value = String(s); if (s === 1) o.selected = true; this.speedSel.append(o); }
+      this.speedSel.setAttribute("aria-label", "replay speed");
       sp.append(this.speedSel);
       bar.append(sp);
       this.scrub = el("input", "fd-scrub");
       Object.assign(this.scrub, { type: "range", min: "0", max: "0", step: "1", value: "0" });
       this.scrub.title = "scrub through the forwards";
+      this.scrub.setAttribute("aria-label", "replay position (forwards)");
       this.scrub.addEventListener("input", () => {  // drags fire many inputs: seek once per frame
         this.want = Number(this.scrub.value);
         this.pause(false);  // leave the thumb where the user drags it
@@ -497,6 +522,8 @@
       const ev = this.events[this.i - 1];
       this.pos.textContent = n ? `${this.i}/${n} events · ${ev ? fmt(ev.t, 3) : "0.000"} s` : "";
       this.playBtn.textContent = this.playing ? "❚❚" : "▶";
+      this.playBtn.setAttribute("aria-label", this.playing ? "pause" : "play");
+      this.playBtn.setAttribute("aria-pressed", String(this.playing));
     }
 
     play() {
@@ -545,6 +572,46 @@
   document.addEventListener("click", (e) => {
     if (e.target.closest && e.target.closest("[role=tab]")) for (const ms of [50, 300]) setTimeout(fitPlots, ms);
   });
+
+  /* ------------------------------------------------------------------ page chores Gradio leaves to us
+   * - chat messages: Gradio names each bubble "<role>'s message: " + its markdown source, which is HTML-escaped for
+   *   display (app/render.py escape_chat), so a screen reader read "&amp;lt;"; name it by the text as shown instead.
+   * - preset buttons: aria-pressed follows the preset the note says is active (data-preset).
+   * - the message box: focused on load without scrolling, where a keyboard is likely (not on phones). */
+  const ARIA_MSG = /^(.*?'s message: )/s;
+  const fixChatLabels = () => {
+    for (const m of document.querySelectorAll("#fd-chat [aria-label]")) {
+      const label = m.getAttribute("aria-label"), hit = ARIA_MSG.exec(label || "");
+      if (!hit) continue;
+      const want = hit[1] + (m.innerText || m.textContent || "").replace(/\s+/g, " ").trim();
+      if (label !== want) m.setAttribute("aria-label", want);
+    }
+  };
+  const fixPresets = () => {
+    const note = document.querySelector("#fd-presets .fd-presets");
+    const on = note ? note.dataset.preset || "" : "";
+    for (const b of document.querySelectorAll(".fd-preset-btn")) {
+      const id = (b.id || "").replace(/^fd-preset-/, "");
+      const want = String(id === on);
+      if (b.getAttribute("aria-pressed") !== want) b.setAttribute("aria-pressed", want);
+    }
+  };
+  let choresQueued = false;
+  const chores = () => {
+    if (choresQueued) return;
+    choresQueued = true;
+    requestAnimationFrame(() => { choresQueued = false; fixChatLabels(); fixPresets(); });
+  };
+  new MutationObserver(chores).observe(document.documentElement,
+    { childList: true, subtree: true, characterData: true, attributes: true, attributeFilter: ["aria-label", "data-preset"] });
+  const focusBox = (tries = 0) => {
+    const box = document.querySelector("#fd-msg textarea");
+    if (!box) { if (tries < 100) setTimeout(() => focusBox(tries + 1), 100); return; }
+    const keyboard = window.matchMedia("(pointer: fine)").matches && window.innerWidth > 720;
+    if (keyboard && document.activeElement === document.body) box.focus({ preventScroll: true });
+  };
+  if (document.readyState === "loading") document.addEventListener("DOMContentLoaded", () => focusBox());
+  else focusBox();
 
   window.FDStudio = { Renderer, Live, Player, confColour, visible, fitPlots };
 })();
