@@ -90,6 +90,16 @@ def test_build_prompts_deterministic_and_unique() -> None:
     assert other != build_prompts(500, seed=2)
 
 
+def test_prompts_file_rebuilds_byte_identically(tmp_path: Path) -> None:
+    """`python -m training.data_prompts` (its vocabularies and templates read from training/data/*.json)
+    rebuilds the committed training/data/prompts.jsonl byte for byte."""
+    from training.data_prompts import main
+
+    out = tmp_path / "prompts.jsonl"
+    main(["--out", str(out)])
+    assert out.read_bytes() == TRAIN_FILE.read_bytes()
+
+
 def test_checker_whole_word_matching() -> None:
     """Whole-word, case-insensitive matching with number boundaries."""
     assert is_correct("The capital is Paris.", ["paris"])
