@@ -26,7 +26,7 @@ FILES[serve]="engine/serve.py";        SOURCES[serve]="engine/"
 TESTS[serve]="tests/test_serve.py"
 FILES[recipe]="training/recipe.py";    SOURCES[recipe]="training/ engine/"
 TESTS[recipe]="tests/test_training.py"
-FILES[checker]="bench/checker.py";     SOURCES[checker]="bench/ engine/"
+FILES[checker]="grading/checker.py";   SOURCES[checker]="grading/ bench/ engine/"
 TESTS[checker]="tests/test_bench.py"
 ALL=(sampling decode model quant serve recipe checker)
 [ $# -gt 0 ] && ALL=("$@")

@@ -13,7 +13,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
-from bench.checker import is_correct, load_eval_set  # noqa: E402
+from grading.checker import is_correct, load_eval_set  # noqa: E402
 from training.data_prompts import (  # noqa: E402
     EvalFilter,
     build_prompts,

@@ -33,7 +33,7 @@ def _spread(items: list[dict], n: int) -> list[dict]:
 
 
 def _read(path: Path) -> list[dict]:
-    from bench.checker import read_jsonl
+    from grading.checker import read_jsonl
 
     return [item for _, item in read_jsonl(path)]
 
@@ -46,7 +46,7 @@ def _run(engine, prompts: list[str], cfg, batch: int) -> list:
 
 
 def evaluate(cfg: EvalConfig) -> dict:
-    from bench.checker import is_correct
+    from grading.checker import is_correct
     from engine import Engine
 
     engine = Engine.load(cfg.model)
