@@ -15,7 +15,7 @@ import re
 import pytest
 
 from app import render
-from app.settings import INFO, MAX_NEW_TOKENS, PRESETS, check_seed
+from app.settings import INFO, MAX_NEW_TOKENS, PRESETS
 from engine import ConfigError
 
 HAIKU = "Write a haiku about the sea."
@@ -43,12 +43,16 @@ def test_custom_threshold_note_has_no_stray_colon():
 @pytest.mark.parametrize("value, shown", [(-5, "got -5"), (1e30, "got 1e+30"), (2**63, "got 9.22337e+18"),
                                           (0.5, "got 0.5"), ("x", "got 'x'")])
 def test_bad_seed_names_the_allowed_range(value, shown):
+    from app.settings import check_seed
+
     with pytest.raises(ConfigError) as err:
         check_seed(value)
     assert str(err.value) == f"seed: must be -1 (a fresh random seed each run) or an integer in [0, 2^63) ({shown})"
 
 
 def test_good_seeds_pass():
+    from app.settings import check_seed
+
     assert [check_seed(v) for v in (-1, -1.0, None, "", 0, 7.0, 2**63 - 1)] == [None, None, None, None, 0, 7,
                                                                                  2**63 - 1]
 
@@ -184,7 +188,11 @@ def test_race_and_sweep_errors_are_inline(page):
 
 
 def test_sweep_shows_progress_from_the_start(page):
-    pg = page  # Sweep tab, no box checked (the test above): one threshold, the default block size, 8 tokens
+    pg = page  # one threshold, the default block size, 8 tokens (max new tokens from the test above)
+    pg.get_by_role("tab", name="Sweep").click()
+    checked = pg.locator("#fd-tab-sweep input[type=checkbox]:checked")
+    while checked.count():
+        checked.first.uncheck()
     pg.locator("#fd-tab-sweep label", has_text="0.9").first.click()
     pg.locator("#fd-tab-sweep label", has_text="32").first.click()
     pg.click("#fd-sweep")
@@ -312,13 +320,17 @@ def test_chat_messages_are_named_by_their_text(page):
     assert pg.locator("#fd-chat b").count() == 0  # still shown as text, not HTML
 
 
-def test_phone_preset_note_and_heatmap_fit(phone, tmp_path):
-    from test_browser import ARTIFACTS
-
+def test_phone_preset_note_fits(phone):
     pg = phone
     note = pg.evaluate("""() => { const n = document.querySelector('#fd-presets .fd-presets'), r = n.getBoundingClientRect();
       return [n.scrollWidth, n.clientWidth, Math.max(...[...n.children].map(c => c.getBoundingClientRect().right)), r.right]; }""")
     assert note[0] <= note[1] and note[2] <= note[3] + 0.5, note  # nothing clipped
+
+
+def test_phone_heatmap_labels_and_toolbar_fit(phone, tmp_path):
+    from test_browser import ARTIFACTS
+
+    pg = phone
     # a 40-token trace on the heatmap (uploaded: no decode needed)
     cfg = {"mode": "diffusion", "block_size": 32, "sub_block_size": 8, "threshold": 0.9, "strategy": "threshold",
            "factor": 1.0, "cache": "dual", "max_new_tokens": 40, "temperature": 0.0, "top_p": 1.0, "seed": None,
