@@ -172,6 +172,9 @@ def test_lower_threshold_never_commits_fewer():
     assert select_commits(conf, "factor", 0, 3.0).tolist() == [True, True, True, True]
     # by rank, not by index: sorted 0.99, 0.7, 0.5: n=2 holds (3*0.3 = 0.9 < 1.5), n=3 does not (4*0.5)
     assert select_commits(torch.tensor([0.99, 0.5, 0.7]), "factor", 0, 1.5).tolist() == [True, False, True]
+    # the bound is strict: n = 2 gives (2 + 1) * (1 - 0.75) = 0.75, not < 0.75 (all exact in float32)
+    assert select_commits(torch.tensor([0.75, 0.75]), "factor", 0, 0.75).tolist() == [True, False]
+    assert select_commits(torch.tensor([0.75, 0.75]), "factor", 0, 0.76).tolist() == [True, True]
 
 
 def test_lower_threshold_more_tokens_per_forward(engine):
