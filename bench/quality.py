@@ -137,6 +137,7 @@ def check_args(args: argparse.Namespace) -> None:
     """Refuse bad options before the model loads; fill the long-set defaults."""
     if args.batch_size < 1:
         raise SystemExit("--batch-size must be >= 1")
+    parse_decode(args.decode)
     for name in ("limit", "long_limit", "checkable_limit", "max_new_tokens", "long_max_new_tokens"):
         v = getattr(args, name)
         if v is not None and v < 1:
@@ -155,6 +156,22 @@ def check_args(args: argparse.Namespace) -> None:
         args.long_max_new_tokens = args.max_new_tokens if args.long_only and args.max_new_tokens else LONG_MAX_NEW_TOKENS
     if args.max_new_tokens is None:
         args.max_new_tokens = SHORT_MAX_NEW_TOKENS
+
+
+def parse_decode(text: str | None) -> dict[str, Any]:
+    """--decode 'frequency_penalty=0.5,stop_guard=true' -> DecodeConfig fields for every run (AR and diffusion)."""
+    from engine.config import DecodeConfig
+
+    out: dict[str, Any] = {}
+    for item in filter(None, (x.strip() for x in (text or "").split(","))):
+        name, sep, raw = item.partition("=")
+        if not sep or name not in DecodeConfig.__dataclass_fields__ or name in ("mode", "threshold", "max_new_tokens"):
+            raise SystemExit(f"--decode: {item!r} is not name=value with a DecodeConfig field (mode, threshold and "
+                             "max_new_tokens have their own flags)")
+        low = raw.strip().lower()
+        out[name] = True if low == "true" else False if low == "false" else int(raw) if raw.strip().lstrip("-").isdigit() \
+            else float(raw)
+    return out
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -176,8 +193,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             raise SystemExit("quality: the model has no mask token (no adapter loaded); use --modes ar")
         runs += [("diffusion", th) for th in parse_list(args.thresholds, float)]
 
+    extra = parse_decode(args.decode)
+
     def config(mode: str, th: float | None, cap: int):
-        kw: dict[str, Any] = dict(mode=mode, max_new_tokens=cap)
+        kw: dict[str, Any] = dict(mode=mode, max_new_tokens=cap, **extra)
         if mode == "diffusion":
             kw.update(threshold=th, cache=args.cache, block_size=args.block_size, sub_block_size=args.sub_block_size)
         return eng.decode_config(**kw)
@@ -281,6 +300,8 @@ def add_parser(sub) -> None:
     p.add_argument("--agree-with", default=None, metavar="RESULTS_JSON",
                    help="an earlier run's results.json (e.g. with FASTDLLM_WEIGHTS=fp32): report the share of answers "
                         "identical to it per setting")
+    p.add_argument("--decode", default=None, metavar="NAME=VALUE,...",
+                   help="more DecodeConfig settings for every run, e.g. 'frequency_penalty=0.5,stop_guard=true'")
     p.add_argument("--json", action="store_true", help="print exactly one JSON object on stdout (all else to stderr)")
     p.add_argument("--out", default="runs/bench/quality")
     p.add_argument("--no-png", action="store_true")

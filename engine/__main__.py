@@ -38,6 +38,9 @@ def _decode_args(p: argparse.ArgumentParser) -> None:
                    help="OpenAI: subtract this from tokens already in the answer; in [-2, 2], 0 = off")
     p.add_argument("--no-repeat-ngram-size", type=int, default=d.no_repeat_ngram_size,
                    help="transformers: never repeat an n-gram of prompt + answer; 0 = off")
+    p.add_argument("--stop-guard", action="store_true",
+                   help="diffusion: commit nothing right of a position whose best token is the stop token (off: the "
+                        "paper's rule)")
     p.add_argument("--system", default=None, help="system prompt (default: the model's chat template default)")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None, help="weights dtype (default: bf16 on CUDA, fp32 on CPU)")
@@ -49,7 +52,7 @@ def _settings(a: argparse.Namespace) -> dict:
                 strategy=a.strategy, factor=a.factor, cache=a.cache, max_new_tokens=a.max_new_tokens,
                 temperature=a.temperature, top_p=a.top_p, seed=a.seed, repetition_penalty=a.repetition_penalty,
                 frequency_penalty=a.frequency_penalty, presence_penalty=a.presence_penalty,
-                no_repeat_ngram_size=a.no_repeat_ngram_size)
+                no_repeat_ngram_size=a.no_repeat_ngram_size, stop_guard=a.stop_guard)
 
 
 def _config(engine, a: argparse.Namespace) -> DecodeConfig:

@@ -98,6 +98,9 @@ class DecodeConfig:
     frequency_penalty: float = 0.0  # OpenAI: logit -= f * (times the token is in the answer so far)
     presence_penalty: float = 0.0  # OpenAI: logit -= p * (the token is in the answer so far)
     no_repeat_ngram_size: int = 0  # transformers: never repeat an n-gram of prompt + answer (0 = off)
+    # Diffusion: commit nothing right of the leftmost candidate whose best token is the stop token (those
+    # positions are discarded if the stop is committed). Off: the paper's rule, token for token.
+    stop_guard: bool = False
 
     def validate(self) -> "DecodeConfig":
         """Raise ConfigError naming the first field outside its allowed values."""
@@ -143,6 +146,8 @@ class DecodeConfig:
         if not is_int(self.no_repeat_ngram_size) or not 0 <= self.no_repeat_ngram_size <= MAX_NO_REPEAT_NGRAM:
             raise ConfigError("no_repeat_ngram_size", f"must be an integer in [0, {MAX_NO_REPEAT_NGRAM}] (0 = off) "
                                                       f"(got {self.no_repeat_ngram_size!r})")
+        if not isinstance(self.stop_guard, bool):
+            raise ConfigError("stop_guard", f"must be true or false (got {self.stop_guard!r})")
         if not all(is_int(t) and t >= 0 for t in self.stop_token_ids):
             raise ConfigError("stop_token_ids", f"must be non-negative integers (got {self.stop_token_ids!r})")
         return self

@@ -477,8 +477,11 @@ class Decoder:
                     r.refreshed_sub = k
                 lo = r.block_start + k * sbs
                 n_sub = sum(1 for q in tq if q < lo + sbs)
-                c = torch.tensor(conf_l[b][:n_sub])
-                chosen = select_commits(c, cfg.strategy, cfg.threshold, cfg.factor).tolist()
+                n_cand = n_sub
+                if cfg.stop_guard:  # candidates end at the first predicted stop: what lies past it would be cut
+                    n_cand = next((j + 1 for j in range(n_sub) if tok_l[b][j] in self.stop_ids), n_sub)
+                c = torch.tensor(conf_l[b][:n_cand])
+                chosen = select_commits(c, cfg.strategy, cfg.threshold, cfg.factor).tolist() + [False] * (n_sub - n_cand)
                 if r.ngrams is not None:
                     chosen = self._no_new_repeats(r, tq[:n_sub], tok_l[b], conf_l[b], chosen)
                 masked: list[Token] = []

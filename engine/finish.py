@@ -9,6 +9,8 @@ punctuation and spacing do not hide a repeat), take every word 4-gram; the answe
 least LOOP_MIN_NGRAMS 4-grams and more than LOOP_SHARE of them repeat an earlier one. A 4-gram is used
 because shorter ones repeat in ordinary prose ("of the", "in the"); 30 % is the issue's measured line
 between the AR base's normal answers (median a few percent) and the dLLM's loops (50-90 %).
+List numbers at the start of a line ("13. ", "4) ") are not words: a numbered list that repeats its items
+("13. Strawanges 14. Bananges 15. Strawanges ...") is a loop although its numbers go up.
 """
 from __future__ import annotations
 
@@ -20,11 +22,12 @@ LOOP_N = 4
 LOOP_SHARE = 0.30
 LOOP_MIN_NGRAMS = 8  # shorter answers are never called loops: too few 4-grams to tell
 _WORD = re.compile(r"[\w']+")
+_LIST_NUMBER = re.compile(r"^[ \t]*\d+[.)][ \t]*", re.MULTILINE)
 
 
 def words(text: str) -> list[str]:
-    """Lower-cased words of `text`: punctuation, markup and spacing dropped."""
-    return _WORD.findall(text.lower())
+    """Lower-cased words of `text`: punctuation, markup, spacing and line-opening list numbers dropped."""
+    return _WORD.findall(_LIST_NUMBER.sub(" ", text.lower()))
 
 
 def _repeats(text: str, n: int) -> tuple[int, int]:

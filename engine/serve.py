@@ -26,7 +26,7 @@ from .engine import Engine, Result
 from .events import Event, Summary
 from .scheduler import MAX_BATCH, Scheduler, SchedulerBusy, Ticket
 
-KNOBS = ("mode", "block_size", "sub_block_size", "threshold", "strategy", "factor", "cache")
+KNOBS = ("mode", "block_size", "sub_block_size", "threshold", "strategy", "factor", "cache", "stop_guard")
 PENALTIES = ("frequency_penalty", "presence_penalty", "repetition_penalty", "no_repeat_ngram_size")
 AT_DEFAULT = {"n": 1, "logprobs": False}  # accepted, not implemented
 MAX_PROMPT_CHARS = 200_000  # tokenising is cheap, not free: bound it before the context check

@@ -61,3 +61,12 @@ def test_judge_labels_and_complete():
     assert loop_stopped.stopped and loop_stopped.looping and not loop_stopped.complete
     assert loop_stopped.label == "looping" and loop_stopped.repeat_share > LOOP_SHARE
     assert judge("Hi", "cancelled").label == "cancelled" and judge("Hi", "context").label == "context"
+
+
+def test_a_numbered_list_that_repeats_its_items_loops():
+    """The list numbers go up but the items repeat: line-opening numbers are not words, so this is a loop."""
+    text = "\n".join(f"{i}. Strawanges\n{i + 1}. Bananges" for i in range(1, 30, 2))
+    assert is_looping(text)
+    distinct = "\n".join(f"{i}. {w}" for i, w in enumerate(
+        "apple banana cherry date elderberry fig grape honeydew kiwi lemon mango".split(), 1))
+    assert not is_looping(distinct)

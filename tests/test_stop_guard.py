@@ -1,0 +1,46 @@
+"""stop_guard: a diffusion step commits nothing right of the leftmost candidate whose best token is the stop token."""
+from __future__ import annotations
+
+import pytest
+
+from engine.config import ConfigError, DecodeConfig
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
+
+PROMPTS = ["What is the capital of France? Answer with one word.", "Name a primary colour. One word.",
+           "What is 2 + 3? Answer with just the number."]
+
+
+def past_stop_commits(result, stop_ids: set[int]) -> int:
+    """Steps that committed a position right of a candidate (committed or still masked) whose token was a stop."""
+    bad = 0
+    for e in result.trace.events:
+        if e.kind not in ("step", "prefill"):
+            continue
+        first = min((t.pos for t in e.committed + e.masked if t.id in stop_ids), default=None)
+        bad += first is not None and any(t.pos > first for t in e.committed)
+    return bad
+
+
+@pytest.mark.parametrize("threshold", [0.5, 0.9])
+def test_guard_never_commits_past_a_predicted_stop_and_the_paper_rule_does(engine, threshold):
+    stop = set(engine.lm.stop_token_ids)
+    on = engine.generate(PROMPTS, engine.decode_config(threshold=threshold, max_new_tokens=32, stop_guard=True))
+    off = engine.generate(PROMPTS, engine.decode_config(threshold=threshold, max_new_tokens=32))
+    assert all(r.summary.stop_reason == "stop_token" for r in on)
+    assert sum(past_stop_commits(r, stop) for r in on) == 0
+    assert sum(past_stop_commits(r, stop) for r in off) >= 1  # the rule the guard changes is really exercised
+
+
+def test_guard_is_off_by_default_and_validated():
+    assert DecodeConfig().stop_guard is False
+    with pytest.raises(ConfigError, match="stop_guard"):
+        DecodeConfig(stop_guard=1).validate()
+    assert DecodeConfig.from_dict(DecodeConfig(stop_guard=True).to_dict()).stop_guard is True
+
+
+def test_cli_flag_sets_the_guard():
+    from engine.__main__ import _settings, parser
+
+    assert _settings(parser().parse_args(["generate", "--prompt", "hi", "--stop-guard"]))["stop_guard"] is True
+    assert _settings(parser().parse_args(["generate", "--prompt", "hi"]))["stop_guard"] is False
