@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -131,6 +132,14 @@ def cmd_chat(a: argparse.Namespace) -> int:
         history += [{"role": "user", "content": msg}, {"role": "assistant", "content": s.text}]
 
 
+def serve_access(a: argparse.Namespace) -> tuple[str | None, list[str]]:
+    """(API key or None, CORS origins): --api-key, else FASTDLLM_API_KEY; --allowed-origins split at commas."""
+    key = a.api_key if a.api_key is not None else os.environ.get("FASTDLLM_API_KEY") or None
+    if key is not None and (not key.strip() or not key.isprintable() or not key.isascii()):
+        raise ConfigError("api_key", "must be printable ASCII and not blank")
+    return key, [o.strip() for o in (a.allowed_origins or "").split(",") if o.strip()]
+
+
 def cmd_serve(a: argparse.Namespace) -> int:
     from .engine import Engine
     from .serve import serve
@@ -139,9 +148,12 @@ def cmd_serve(a: argparse.Namespace) -> int:
         raise ConfigError("max_batch", f"must be an integer in [1, 256] (got {a.max_batch})")
     if not 0 < a.port < 65536:
         raise ConfigError("port", f"must be in [1, 65535] (got {a.port})")
+    key, origins = serve_access(a)
     engine = Engine.load(a.model, a.device, a.dtype)
-    print(f"model: {engine.lm.banner()}; OpenAI API on http://{a.host}:{a.port}/v1", file=sys.stderr, flush=True)
-    serve(engine, a.host, a.port, a.max_batch)
+    print(f"model: {engine.lm.banner()}; OpenAI API on http://{a.host}:{a.port}/v1"
+          f"{'; API key required' if key else ''}{'; CORS for ' + ', '.join(origins) if origins else ''}",
+          file=sys.stderr, flush=True)
+    serve(engine, a.host, a.port, a.max_batch, api_key=key, allowed_origins=origins)
     return 0
 
 
@@ -163,6 +175,10 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--model", help="hub id or local checkpoint directory (default: FASTDLLM_MODEL, else the bundled model)")
     s.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     s.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None, help="weights dtype")
+    s.add_argument("--api-key", default=None, help="require Authorization: Bearer KEY on every route but /health "
+                                                   "(default: FASTDLLM_API_KEY, else no key)")
+    s.add_argument("--allowed-origins", default=None, metavar="ORIGINS",
+                   help="comma-separated origins browsers may call from (CORS), or '*'; default none")
     return p
 
 

@@ -6,11 +6,17 @@ repetition knobs: OpenAI's frequency_penalty and presence_penalty, and vLLM's ex
 no_repeat_ngram_size (engine/penalties.py has their meanings); null means the default, off. `usage`
 adds NFE, tokens per forward and engine seconds; `denoise_events: true` streams the trace's per-forward events
 (engine/events.py) with the text, so any client can draw the live denoising view.
+
+Around the routes: GET /health, GET /metrics (Prometheus text), an optional API key (Bearer), optional CORS, one
+JSON log line per request on the "engine.serve" logger, and every error in OpenAI's shape
+{"error": {"message", "type", "param", "code"}}, unknown routes and wrong methods included (docs/serving.md).
 """
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -19,32 +25,53 @@ from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .config import ConfigError, DecodeConfig
 from .engine import Engine, Result
 from .events import Event, Summary
+from .loading import MASK_TOKEN
 from .scheduler import MAX_BATCH, Scheduler, SchedulerBusy, Ticket
 
 KNOBS = ("mode", "block_size", "sub_block_size", "threshold", "strategy", "factor", "cache", "stop_guard")
 PENALTIES = ("frequency_penalty", "presence_penalty", "repetition_penalty", "no_repeat_ngram_size")
 AT_DEFAULT = {"n": 1, "logprobs": False}  # accepted, not implemented
 MAX_PROMPT_CHARS = 200_000  # tokenising is cheap, not free: bound it before the context check
+MAX_BODY_BYTES = 8 << 20  # a request body larger than this gets 413 before it is parsed
+MAX_JSON_DEPTH = 32  # the deepest real request nests 4 levels (messages -> message -> content parts -> part)
+MAX_MESSAGE_CHARS = 1000  # error messages quote the bad value, cut to this
 MAX_STOPS = 4
 FINISH = {"stop_token": "stop", "stop_string": "stop", "max_new_tokens": "length", "cancelled": "stop"}
+ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+               405: "invalid_request_error", 413: "invalid_request_error", 503: "server_busy"}
+log = logging.getLogger("engine.serve")
+
+
+def _show(v: Any, limit: int = 60) -> str:
+    """repr(v) for an error message, cut short (a client can send a megabyte or a deeply nested value)."""
+    try:
+        r = repr(v)
+    except (RecursionError, ValueError):  # ValueError: an int with more digits than str() allows
+        r = f"<{type(v).__name__}>"
+    return r if len(r) <= limit else r[:limit] + "..."
 
 
 class ApiError(Exception):
     """An OpenAI-style error: status, message, and the request parameter it is about."""
 
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+        if len(message) > MAX_MESSAGE_CHARS:
+            message = message[:MAX_MESSAGE_CHARS] + "..."
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
 
-    def response(self) -> JSONResponse:
-        kind = {400: "invalid_request_error", 404: "not_found_error", 503: "server_busy"}.get(self.status, "server_error")
+    def response(self, headers: dict[str, str] | None = None) -> JSONResponse:
+        kind = ERROR_TYPES.get(self.status, "server_error")
         return JSONResponse({"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}},
-                            status_code=self.status)
+                            status_code=self.status, headers=headers)
 
 
 @dataclass
@@ -61,6 +88,7 @@ class ApiRequest:
     denoise_events: bool = False
     stops: list[str] = field(default_factory=list)
     max_tokens_name: str = "max_tokens"  # the name the client used, for error messages
+    max_tokens_given: bool = False  # False: the engine default, clipped to the context room left
 
 
 def _bool(body: dict[str, Any], name: str) -> bool:
@@ -104,23 +132,35 @@ def _stops(v: Any) -> list[str]:
     return stops
 
 
+def _response_format(v: Any) -> None:
+    """OpenAI's response_format: {"type": "text"} (the default) is what every answer is; JSON modes are refused."""
+    if v is None or v == {"type": "text"}:
+        return
+    kind = v.get("type") if isinstance(v, dict) else None
+    if kind in ("json_object", "json_schema"):
+        raise ApiError(400, f"response_format: {kind} is not supported (no constrained decoding); "
+                            'only {"type": "text"}', "response_format")
+    raise ApiError(400, f'response_format: must be {{"type": "text"}} (got {_show(v)})', "response_format")
+
+
 def parse(body: Any, chat: bool, engine: Engine, model_id: str) -> ApiRequest:
     """Validate a request body; ApiError names the first bad parameter."""
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
     if body.get("model") != model_id:
-        raise ApiError(404, f"model: {body.get('model')!r} is not served here; this server serves {model_id!r}",
+        raise ApiError(404, f"model: {_show(body.get('model'))} is not served here; this server serves {model_id!r}",
                        "model", "model_not_found")
     for k, default in AT_DEFAULT.items():
-        if body.get(k) not in (None, default):
-            raise ApiError(400, f"{k}: not supported; only {k} = {json.dumps(default)} (got {body[k]!r})", k)
+        if body.get(k) is not None and (type(body[k]) is not type(default) or body[k] != default):
+            raise ApiError(400, f"{k}: not supported; only {k} = {json.dumps(default)} (got {_show(body[k])})", k)
     known = set(KNOBS) | set(PENALTIES) | set(AT_DEFAULT) | {
         "model", "messages", "prompt", "stream", "stream_options", "user", "max_tokens", "max_completion_tokens",
-        "temperature", "top_p", "seed", "stop", "denoise_events"}
+        "temperature", "top_p", "seed", "stop", "denoise_events", "response_format"}
     unknown = sorted(set(body) - known)
     if unknown:
-        raise ApiError(400, f"{unknown[0]}: unknown parameter; decoding knobs: {', '.join(KNOBS + PENALTIES)}",
-                       unknown[0])
+        raise ApiError(400, f"{_show(unknown[0])[1:-1]}: unknown parameter; decoding knobs: "
+                            f"{', '.join(KNOBS + PENALTIES)}", unknown[0])
+    _response_format(body.get("response_format"))
     where = "messages" if chat else "prompt"
     ids, prompt, user_text = None, "", None
     if chat:
@@ -134,7 +174,10 @@ def parse(body: Any, chat: bool, engine: Engine, model_id: str) -> ApiRequest:
         raise ApiError(400, f"{where}: the prompt must not be empty", where)
     if len(prompt) > MAX_PROMPT_CHARS:
         raise ApiError(400, f"{where}: longer than {MAX_PROMPT_CHARS} characters", where)
-    name = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
+    if engine.can_diffuse and MASK_TOKEN in prompt:
+        raise ApiError(400, f"{where}: contains the mask token {MASK_TOKEN}, which only the decoder may place", where)
+    # null means "not given" (OpenAI's SDKs send it): max_completion_tokens wins when both are set
+    name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     knobs = {"mode": "diffusion" if engine.can_diffuse else "ar"} | {k: body[k] for k in KNOBS if k in body}
     for k in ("temperature", "top_p", "seed") + PENALTIES:
         if body.get(k) is not None:
@@ -146,19 +189,28 @@ def parse(body: Any, chat: bool, engine: Engine, model_id: str) -> ApiRequest:
         if cfg.mode == "diffusion" and not engine.can_diffuse:
             raise ConfigError("mode", "this model has no |<MASK>| token and cannot decode by block diffusion; use 'ar'")
     except ConfigError as e:
+        if e.field == "sub_block_size" and "sub_block_size" not in body:  # the client sent block_size alone
+            sub = DecodeConfig().sub_block_size
+            raise ApiError(400, f"block_size: must be a multiple of sub_block_size={sub} (its default; send "
+                                f"sub_block_size too to change it) (got {_show(body.get('block_size'))})",
+                           "block_size") from None
         param = name if e.field == "max_new_tokens" else e.field
         raise ApiError(400, str(e).replace("max_new_tokens", param, 1), param) from None
     opts = body.get("stream_options") or {}
     if not isinstance(opts, dict):
         raise ApiError(400, "stream_options: must be an object", "stream_options")
     return ApiRequest(chat, prompt, user_text, ids, cfg, _bool(body, "stream"), bool(opts.get("include_usage")),
-                      _bool(body, "denoise_events"), _stops(body.get("stop")), name)
+                      _bool(body, "denoise_events"), _stops(body.get("stop")), name, body.get(name) is not None)
 
 
 def _token_ids(ids: list[int], engine: Engine) -> list[int]:
     vocab = engine.lm.cfg.vocab_size
     if not all(0 <= t < vocab for t in ids):
         raise ApiError(400, f"prompt: token ids must be in [0, {vocab})", "prompt")
+    mask = engine.lm.mask_token_id
+    if mask is not None and mask in ids:
+        raise ApiError(400, f"prompt: contains the mask token id {mask} ({MASK_TOKEN}), which only the decoder may "
+                            f"place (at position {ids.index(mask)})", "prompt")
     return ids
 
 
@@ -222,15 +274,148 @@ def usage(prompt_tokens: int, s: Summary) -> dict[str, Any]:
             "engine_ttft": round(s.ttft, 6)}
 
 
-def create_app(engine: Engine, scheduler: Scheduler, model_id: str | None = None) -> FastAPI:
-    """The FastAPI app; the caller owns the scheduler (and closes it)."""
+class Histogram:
+    """A Prometheus histogram (cumulative buckets, sum, count), written by hand: no client library needed."""
+
+    def __init__(self, buckets: tuple[float, ...]):
+        self.buckets, self.counts, self.sum, self.count = buckets, [0] * len(buckets), 0.0, 0
+
+    def observe(self, v: float) -> None:
+        for i, b in enumerate(self.buckets):
+            if v <= b:
+                self.counts[i] += 1
+        self.sum += v
+        self.count += 1
+
+    def lines(self, name: str) -> list[str]:
+        out = [f'{name}_bucket{{le="{b:g}"}} {c}' for b, c in zip(self.buckets, self.counts)]
+        return out + [f'{name}_bucket{{le="+Inf"}} {self.count}', f"{name}_sum {self.sum:.6f}", f"{name}_count {self.count}"]
+
+
+class Metrics:
+    """What GET /metrics reports; updated by the request middleware on the event loop (no locks needed)."""
+
+    def __init__(self) -> None:
+        self.requests: dict[tuple[str, int], int] = {}
+        self.prompt_tokens = self.generated_tokens = 0
+        self.ttft = Histogram((0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60))
+        self.latency = Histogram((0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300))
+
+    def record(self, route: str, status: int, info: dict[str, Any], seconds: float) -> None:
+        self.requests[(route, status)] = self.requests.get((route, status), 0) + 1
+        if "completion_tokens" not in info:  # not a completion that ran
+            return
+        self.prompt_tokens += info.get("prompt_tokens") or 0
+        self.generated_tokens += info["completion_tokens"] or 0
+        self.latency.observe(seconds)
+        if info.get("ttft") is not None:
+            self.ttft.observe(info["ttft"])
+
+    def text(self, scheduler: Scheduler) -> str:
+        p = "fastdllm_"
+        out = [f"# HELP {p}requests_total HTTP requests answered, by route and status.", f"# TYPE {p}requests_total counter"]
+        out += [f'{p}requests_total{{route="{r}",status="{c}"}} {n}' for (r, c), n in sorted(self.requests.items())]
+        gauges = [("queue_length", "Requests waiting for a batch row.", len(scheduler.waiting)),
+                  ("running_rows", "Rows in running batches after the scheduler's last pass.", scheduler.running)]
+        for name, about, v in gauges:
+            out += [f"# HELP {p}{name} {about}", f"# TYPE {p}{name} gauge", f"{p}{name} {v}"]
+        counters = [("prompt_tokens_total", "Prompt tokens of completed requests.", self.prompt_tokens),
+                    ("generated_tokens_total", "Answer tokens generated (through the stop token); rate() = tokens/s.",
+                     self.generated_tokens)]
+        for name, about, v in counters:
+            out += [f"# HELP {p}{name} {about}", f"# TYPE {p}{name} counter", f"{p}{name} {v}"]
+        for name, about, h in [("time_to_first_token_seconds", "Request arrival to its first committed answer token.",
+                                self.ttft),
+                               ("request_latency_seconds", "Request arrival to its last byte (completions).",
+                                self.latency)]:
+            out += [f"# HELP {p}{name} {about}", f"# TYPE {p}{name} histogram", *h.lines(p + name)]
+        return "\n".join(out) + "\n"
+
+
+class Surface:
+    """ASGI middleware around every route: request id, API key, one JSON log line and the metrics per request."""
+
+    def __init__(self, app: Any, api_key: str | None, metrics: Metrics, routes: set[str]):
+        self.app, self.api_key, self.metrics, self.routes = app, api_key, metrics, routes
+
+    def _authorized(self, scope: dict) -> bool:
+        if not self.api_key or scope["path"] == "/health" or scope["method"] == "OPTIONS":
+            return True
+        auth = dict(scope.get("headers") or []).get(b"authorization", b"")
+        want = b"Bearer " + self.api_key.encode()
+        return hmac.compare_digest(auth, want)
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        rid, t0 = uuid.uuid4().hex[:24], time.perf_counter()
+        info: dict[str, Any] = {}
+        scope.setdefault("state", {}).update(request_id=rid, t0=t0, log=info)
+        status = 500
+
+        async def send_(msg: dict) -> None:
+            nonlocal status
+            if msg["type"] == "http.response.start":
+                status = msg["status"]
+                msg["headers"] = [*msg.get("headers", []), (b"x-request-id", rid.encode())]
+            await send(msg)
+
+        try:
+            if self._authorized(scope):
+                await self.app(scope, receive, send_)
+            else:
+                await ApiError(401, "missing or wrong API key: send Authorization: Bearer <key>", None,
+                               "invalid_api_key").response({"WWW-Authenticate": "Bearer"})(scope, receive, send_)
+        finally:
+            seconds = time.perf_counter() - t0
+            route = scope["path"] if scope["path"] in self.routes else "other"  # bounded label set
+            self.metrics.record(route, status, info, seconds)
+            log.info(json.dumps({"time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "request_id": rid,
+                                 "method": scope["method"], "route": route, "status": status,
+                                 "prompt_tokens": info.get("prompt_tokens"),
+                                 "completion_tokens": info.get("completion_tokens"), "seconds": round(seconds, 4),
+                                 "ttft": None if info.get("ttft") is None else round(info["ttft"], 4),
+                                 "finish_reason": info.get("finish_reason")}))
+
+
+def _depth(obj: Any) -> int:
+    """How deeply lists and objects nest (iteratively: no recursion on what a client sent)."""
+    deepest, stack = 0, [(obj, 1)]
+    while stack:
+        o, d = stack.pop()
+        deepest = max(deepest, d)
+        if d > MAX_JSON_DEPTH:
+            break
+        stack += [(x, d + 1) for x in (o.values() if isinstance(o, dict) else o) if isinstance(x, (dict, list))]
+    return deepest if isinstance(obj, (dict, list)) else 0
+
+
+def create_app(engine: Engine, scheduler: Scheduler, model_id: str | None = None, *, api_key: str | None = None,
+               allowed_origins: list[str] | tuple[str, ...] = ()) -> FastAPI:
+    """The FastAPI app; the caller owns the scheduler (and closes it). api_key: every route but /health needs
+    `Authorization: Bearer <api_key>`; allowed_origins: browsers on these origins may call it (CORS; none by default)."""
     model_id = model_id or engine.lm.name
     created = int(time.time())
-    app = FastAPI(title="Fast-dLLM v2 (OpenAI-compatible)")
+    app = FastAPI(title="Fast-dLLM v2 (OpenAI-compatible)", docs_url=None, redoc_url=None, openapi_url=None)
+    metrics = Metrics()
 
     @app.exception_handler(ApiError)
     async def _api_error(_: Request, e: ApiError) -> JSONResponse:
         return e.response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
+        msg = {404: f"no route {request.url.path}", 405: f"{request.method} is not allowed on {request.url.path}"}
+        return ApiError(e.status_code, msg.get(e.status_code, str(e.detail))).response(getattr(e, "headers", None))
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(_: Request, e: RequestValidationError) -> JSONResponse:
+        return ApiError(400, f"invalid request: {e.errors()[:1]}").response()
+
+    @app.exception_handler(Exception)
+    async def _server_error(_: Request, e: Exception) -> JSONResponse:  # a bug: the shape stays OpenAI's, the
+        return ApiError(500, f"internal error: {type(e).__name__}").response()  # traceback goes to the log
 
     lm = engine.lm
     about = {"banner": lm.banner(), "can_diffuse": engine.can_diffuse, "max_model_len": engine.max_context,
@@ -239,6 +424,20 @@ def create_app(engine: Engine, scheduler: Scheduler, model_id: str | None = None
              "device": lm.device.type, "dtype": str(lm.dtype).replace("torch.", ""),
              "mask_token_id": lm.mask_token_id, "stop_token_ids": list(lm.stop_token_ids)}  # what a remote studio
     # shows, lays its live view out by, and writes into trace headers
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        """200 while the model is loaded and the scheduler's decoding thread runs; 503 otherwise."""
+        worker = getattr(scheduler, "_worker", None)
+        alive = worker is not None and worker.is_alive() and not getattr(scheduler, "_closed", False)
+        if not alive:
+            raise ApiError(503, "the scheduler's decoding thread is not running")
+        return JSONResponse({"status": "ok", "model": model_id, "running_rows": scheduler.running,
+                             "queue_length": len(scheduler.waiting)})
+
+    @app.get("/metrics")
+    async def prometheus() -> PlainTextResponse:
+        return PlainTextResponse(metrics.text(scheduler), media_type="text/plain; version=0.0.4")
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
@@ -259,37 +458,66 @@ def create_app(engine: Engine, scheduler: Scheduler, model_id: str | None = None
         return {"count": len(ids), "max_model_len": engine.max_context, "tokens": ids, "prompt": text}
 
     async def _json(request: Request) -> dict[str, Any]:
+        raw = await request.body()
+        if len(raw) > MAX_BODY_BYTES:
+            raise ApiError(413, f"the request body has {len(raw)} bytes; the limit is {MAX_BODY_BYTES}")
         try:
-            body = await request.json()
-        except (json.JSONDecodeError, UnicodeDecodeError):
+            body = json.loads(raw)
+        except RecursionError:
+            raise ApiError(400, f"the request body nests too deeply (the limit is {MAX_JSON_DEPTH} levels)") from None
+        except ValueError:  # JSONDecodeError, UnicodeDecodeError, an integer with over 4,300 digits
             raise ApiError(400, "the request body is not valid JSON") from None
         if not isinstance(body, dict):
             raise ApiError(400, "the request body must be a JSON object")
+        if _depth(body) > MAX_JSON_DEPTH:
+            raise ApiError(400, f"the request body nests too deeply (the limit is {MAX_JSON_DEPTH} levels)")
         return body
 
     async def complete(request: Request, chat: bool):
         req = parse(await _json(request), chat, engine, model_id)
         ids = req.ids or engine.encode(req.prompt)
+        param = "messages" if chat else "prompt"
+        mask = engine.lm.mask_token_id
+        if mask is not None and req.ids is None and mask in ids:  # e.g. the mask text split by the template
+            raise ApiError(400, f"{param}: contains the mask token {MASK_TOKEN}, which only the decoder may place", param)
+        if len(ids) >= engine.max_context:
+            raise ApiError(400, f"{param}: the prompt has {len(ids)} tokens; the model's context is "
+                                f"{engine.max_context} tokens (prompt and answer together)", param)
+        if req.max_tokens_given and len(ids) + req.cfg.max_new_tokens > engine.max_context:
+            n = req.max_tokens_name
+            raise ApiError(400, f"{n}: the prompt has {len(ids)} tokens and {n} is {req.cfg.max_new_tokens}: "
+                                f"{len(ids) + req.cfg.max_new_tokens} tokens, over the model's context of "
+                                f"{engine.max_context}; ask for at most {engine.max_context - len(ids)}", n)
+        info = request.scope["state"]["log"]
+        info["prompt_tokens"] = len(ids)
         try:
             live = LiveTicket(scheduler, ids, req.cfg, req.user_text, record=req.denoise_events)
-        except ConfigError:  # the only check left after parse(): the prompt does not fit the context
-            param = "messages" if chat else "prompt"
-            raise ApiError(400, f"{param}: the prompt has {len(ids)} tokens; the model's context is "
-                                f"{engine.max_context} tokens (prompt and answer together)", param) from None
+        except ConfigError as e:
+            raise ApiError(400, str(e), param) from None
         except SchedulerBusy as e:
             raise ApiError(503, str(e)) from None
-        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+        rid = ("chatcmpl-" if chat else "cmpl-") + request.scope["state"]["request_id"]
         head = {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
                 "model": model_id}
         if req.stream:
-            return StreamingResponse(_stream(live, req, head, len(ids)), media_type="text/event-stream",
+            return StreamingResponse(_stream(request, live, req, head, len(ids)), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
         return await _whole(request, live, req, head, len(ids))
+
+    def _seen(request: Request, batch: list[Event]) -> None:
+        """Time to first token: request arrival to the first event that commits an answer token."""
+        state = request.scope["state"]
+        if "ttft" not in state["log"] and any(e.committed for e in batch):
+            state["log"]["ttft"] = time.perf_counter() - state["t0"]
+
+    def _finished(request: Request, res: Result, reason: str) -> None:
+        request.scope["state"]["log"].update(completion_tokens=res.summary.answer_tokens, finish_reason=reason)
 
     async def _whole(request: Request, live: LiveTicket, req: ApiRequest, head: dict, n_prompt: int) -> dict:
         stop, text, events = StopMatcher(req.stops), "", []
         try:
             async for batch in live.batches():
+                _seen(request, batch)
                 text += stop.push("".join(e.text_delta for e in batch))
                 if stop.hit:
                     live.ticket.cancel()
@@ -303,6 +531,7 @@ def create_app(engine: Engine, scheduler: Scheduler, model_id: str | None = None
         except Exception as e:  # noqa: BLE001 - an engine fault: this request fails, the server keeps serving
             raise ApiError(500, f"decoding failed: {e}") from None
         reason = "stop" if stop.hit else FINISH.get(res.summary.stop_reason, "stop")
+        _finished(request, res, reason)
         choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": reason}
                   if req.chat else {"index": 0, "text": text, "finish_reason": reason, "logprobs": None})
         out = {**head, "choices": [choice], "usage": usage(n_prompt, res.summary)}
@@ -310,7 +539,8 @@ def create_app(engine: Engine, scheduler: Scheduler, model_id: str | None = None
             out["trace"] = res.trace.to_json()
         return out
 
-    async def _stream(live: LiveTicket, req: ApiRequest, head: dict, n_prompt: int) -> AsyncIterator[str]:
+    async def _stream(request: Request, live: LiveTicket, req: ApiRequest, head: dict,
+                      n_prompt: int) -> AsyncIterator[str]:
         obj = "chat.completion.chunk" if req.chat else "text_completion"
 
         def chunk(text: str | None, reason: str | None = None, **extra: Any) -> str:
@@ -333,6 +563,7 @@ def create_app(engine: Engine, scheduler: Scheduler, model_id: str | None = None
             elif first:
                 yield chunk("", **first)
             async for batch in live.batches():
+                _seen(request, batch)
                 text = stop.push("".join(e.text_delta for e in batch))
                 if stop.hit:
                     live.ticket.cancel()
@@ -342,6 +573,7 @@ def create_app(engine: Engine, scheduler: Scheduler, model_id: str | None = None
             res = live.result()
             tail = stop.flush()
             reason = "stop" if stop.hit else FINISH.get(res.summary.stop_reason, "stop")
+            _finished(request, res, reason)
             last = {"denoise_summary": asdict(res.summary)} if req.denoise_events else {}
             yield chunk(tail or None, reason, **last) if req.chat else chunk(tail, reason, **last)
             if req.include_usage:
@@ -349,6 +581,7 @@ def create_app(engine: Engine, scheduler: Scheduler, model_id: str | None = None
                                              "usage": usage(n_prompt, res.summary)}) + "\n\n"
             yield "data: [DONE]\n\n"
         except Exception as e:  # noqa: BLE001 - headers are sent: report in-band, as OpenAI-compatible servers do
+            request.scope["state"]["log"]["finish_reason"] = "error"
             yield "data: " + json.dumps({"error": {"message": f"decoding failed: {e}", "type": "server_error"}}) + "\n\n"
         finally:
             live.ticket.cancel()  # the client went away (or we are done): its row leaves before the next forward
@@ -361,15 +594,28 @@ def create_app(engine: Engine, scheduler: Scheduler, model_id: str | None = None
     async def completions(request: Request):
         return await complete(request, chat=False)
 
+    app.add_middleware(Surface, api_key=api_key, metrics=metrics,
+                       routes={r.path for r in app.routes if hasattr(r, "path")})
+    if allowed_origins:  # outermost: preflights are answered, and 401s carry the CORS headers too
+        app.add_middleware(CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=["*"],
+                           allow_headers=["*"])
     return app
 
 
-def serve(engine: Engine, host: str = "127.0.0.1", port: int = 8000, max_batch: int = MAX_BATCH) -> None:
+def serve(engine: Engine, host: str = "127.0.0.1", port: int = 8000, max_batch: int = MAX_BATCH, *,
+          api_key: str | None = None, allowed_origins: list[str] | tuple[str, ...] = ()) -> None:
     """Run the server until interrupted (`python -m engine serve`)."""
     import uvicorn
 
+    if not log.handlers:  # the per-request JSON lines, on stderr beside uvicorn's own
+        h = logging.StreamHandler()
+        h.setFormatter(logging.Formatter("%(message)s"))
+        log.addHandler(h)
+        log.setLevel(logging.INFO)
+        log.propagate = False
     sched = Scheduler(engine, max_batch=max_batch)
     try:
-        uvicorn.run(create_app(engine, sched), host=host, port=port, log_level="info")
+        uvicorn.run(create_app(engine, sched, api_key=api_key, allowed_origins=allowed_origins), host=host, port=port,
+                    log_level="info", access_log=False)  # our JSON line replaces uvicorn's access line
     finally:
         sched.close()
