@@ -172,12 +172,12 @@ def test_certainty_forcing_term_is_entropy_of_correct_tokens(tmp_path):
 def test_certainty_forcing_sharpens_correct_predictions(tmp_path):
     exs = examples(8)
     runs = {}
-    for w in (0.0, 2.0):
+    for w in (0.0, 4.0):  # 2.0 gave 0.78 vs 0.90 on one machine and under 0.85x on another: 4.0 is clear of that
         tr = Trainer(cfg(tmp_path / str(w), max_steps=25, certainty_weight=w), tiny_model(), exs, MASK, PAD)
         tr.run(tmp_path / str(w) / "run")
         with torch.no_grad():
             runs[w] = loss_parts(tr.model, batch_of(exs), "dense", LossConfig(1.0))["entropy"].item()
-    assert runs[2.0] < 0.85 * runs[0.0]  # without the term both runs are identical (same seeds)
+    assert runs[4.0] < 0.85 * runs[0.0], runs  # without the term both runs are identical (same seeds)
 
 
 def test_export_to_writes_fp16_parts_that_apply_like_one_file(tmp_path):
