@@ -9,18 +9,21 @@ adds NFE, tokens per forward and engine seconds; `denoise_events: true` streams 
 
 Around the routes: GET /health, GET /metrics (Prometheus text), an optional API key (Bearer), optional CORS, one
 JSON log line per request on the "engine.serve" logger, and every error in OpenAI's shape
-{"error": {"message", "type", "param", "code"}}, unknown routes and wrong methods included (docs/serving.md).
+{"error": {"message", "type", "param", "code"}}, unknown routes and wrong methods included. `n` > 1 runs n rows (seeds
+seed + i); `logprobs` serves each answer token's committed confidence, logged (docs/serving.md).
 """
 from __future__ import annotations
 
 import asyncio
+import functools
 import hmac
 import json
 import logging
+import math
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +41,7 @@ from .scheduler import MAX_BATCH, Scheduler, SchedulerBusy, Ticket
 
 KNOBS = ("mode", "block_size", "sub_block_size", "threshold", "strategy", "factor", "cache", "stop_guard")
 PENALTIES = ("frequency_penalty", "presence_penalty", "repetition_penalty", "no_repeat_ngram_size")
-AT_DEFAULT = {"n": 1, "logprobs": False}  # accepted, not implemented
+MAX_N = 16  # choices per request (n): each is a scheduler row
 MAX_PROMPT_CHARS = 200_000  # tokenising is cheap, not free: bound it before the context check
 MAX_BODY_BYTES = 8 << 20  # a request body larger than this gets 413 before it is parsed
 MAX_JSON_DEPTH = 32  # the deepest real request nests 4 levels (messages -> message -> content parts -> part)
@@ -89,6 +92,8 @@ class ApiRequest:
     stops: list[str] = field(default_factory=list)
     max_tokens_name: str = "max_tokens"  # the name the client used, for error messages
     max_tokens_given: bool = False  # False: the engine default, clipped to the context room left
+    n: int = 1  # independent choices, each its own row (seeds seed + i)
+    logprobs: bool = False  # each answer token's log-probability (its committed confidence, logged)
 
 
 def _bool(body: dict[str, Any], name: str) -> bool:
@@ -150,10 +155,11 @@ def parse(body: Any, chat: bool, engine: Engine, model_id: str) -> ApiRequest:
     if body.get("model") != model_id:
         raise ApiError(404, f"model: {_show(body.get('model'))} is not served here; this server serves {model_id!r}",
                        "model", "model_not_found")
-    for k, default in AT_DEFAULT.items():
-        if body.get(k) is not None and (type(body[k]) is not type(default) or body[k] != default):
-            raise ApiError(400, f"{k}: not supported; only {k} = {json.dumps(default)} (got {_show(body[k])})", k)
-    known = set(KNOBS) | set(PENALTIES) | set(AT_DEFAULT) | {
+    n = 1 if body.get("n") is None else body["n"]
+    if type(n) is not int or not 1 <= n <= MAX_N:
+        raise ApiError(400, f"n: must be an integer in [1, {MAX_N}] (got {_show(n)})", "n")
+    logprobs = _logprobs(body, chat)
+    known = set(KNOBS) | set(PENALTIES) | {"n", "logprobs", "top_logprobs",
         "model", "messages", "prompt", "stream", "stream_options", "user", "max_tokens", "max_completion_tokens",
         "temperature", "top_p", "seed", "stop", "denoise_events", "response_format"}
     unknown = sorted(set(body) - known)
@@ -199,8 +205,31 @@ def parse(body: Any, chat: bool, engine: Engine, model_id: str) -> ApiRequest:
     opts = body.get("stream_options") or {}
     if not isinstance(opts, dict):
         raise ApiError(400, "stream_options: must be an object", "stream_options")
+    events = _bool(body, "denoise_events")
+    if events and n > 1:
+        raise ApiError(400, "denoise_events: only with n = 1", "denoise_events")
     return ApiRequest(chat, prompt, user_text, ids, cfg, _bool(body, "stream"), bool(opts.get("include_usage")),
-                      _bool(body, "denoise_events"), _stops(body.get("stop")), name, body.get(name) is not None)
+                      events, _stops(body.get("stop")), name, body.get(name) is not None, n, logprobs)
+
+
+def _logprobs(body: dict[str, Any], chat: bool) -> bool:
+    """Chat: logprobs true/false and top_logprobs; completions: logprobs as a count. Alternatives are not kept, so
+    only 0 top alternatives can be served."""
+    top = body.get("top_logprobs")
+    if top is not None and (type(top) is not int or top != 0):
+        raise ApiError(400, f"top_logprobs: only 0; the engine keeps each answer token's own probability, not the "
+                            f"alternatives (got {_show(top)})", "top_logprobs")
+    v = body.get("logprobs")
+    if v is None:
+        return False
+    if chat:
+        if not isinstance(v, bool):
+            raise ApiError(400, f"logprobs: must be true or false (got {_show(v)})", "logprobs")
+        return v
+    if type(v) is not int or v != 0:
+        raise ApiError(400, f"logprobs: only 0 (each answer token's own log-probability); the engine does not keep "
+                            f"the alternatives (got {_show(v)})", "logprobs")
+    return True
 
 
 def _token_ids(ids: list[int], engine: Engine) -> list[int]:
@@ -240,38 +269,101 @@ class StopMatcher:
         return out
 
 
-class LiveTicket:
-    """A scheduler ticket seen from asyncio: batches of events as the forwards run, then the Result."""
+class LiveGroup:
+    """A request's n scheduler tickets seen from asyncio: (choice index, events) as the forwards run, then Results."""
 
-    def __init__(self, sched: Scheduler, ids: list[int], cfg: DecodeConfig, prompt_text: str, record: bool):
+    def __init__(self, sched: Scheduler, ids: list[int], cfgs: list[DecodeConfig], prompt_text: str | None,
+                 record: bool):
         loop = asyncio.get_running_loop()
-        self.q: asyncio.Queue[Event | None] = asyncio.Queue()
-        put = lambda x: loop.call_soon_threadsafe(self.q.put_nowait, x)  # noqa: E731 - called on the decoding thread
-        self.ticket: Ticket = sched.submit(ids, cfg, listener=put, prompt_text=prompt_text, record=record,
-                                           on_finish=lambda _: put(None))
+        self.q: asyncio.Queue[tuple[int, Event | None]] = asyncio.Queue()
+        self.tickets: list[Ticket] = []
+        try:
+            for i, cfg in enumerate(cfgs):
+                put = functools.partial(self._put, loop, i)  # called on the decoding thread
+                self.tickets.append(sched.submit(ids, cfg, listener=put, prompt_text=prompt_text, record=record,
+                                                 on_finish=lambda _, put=put: put(None)))
+        except BaseException:
+            self.cancel()
+            raise
 
-    async def batches(self) -> AsyncIterator[list[Event]]:
-        """Every event in order, grouped by what arrived together; ends when the request is finished."""
-        done = False
-        while not done:
-            batch = [await self.q.get()]
+    def _put(self, loop: asyncio.AbstractEventLoop, i: int, x: Event | None) -> None:
+        loop.call_soon_threadsafe(self.q.put_nowait, (i, x))
+
+    async def batches(self) -> AsyncIterator[tuple[int, list[Event]]]:
+        """Every event in order per choice, grouped by what arrived together; ends when every choice is done."""
+        left = len(self.tickets)
+        while left:
+            items = [await self.q.get()]
             while not self.q.empty():
-                batch.append(self.q.get_nowait())
-            done = batch[-1] is None
-            events = [e for e in batch if e is not None]
-            if events:
-                yield events
+                items.append(self.q.get_nowait())
+            by: dict[int, list[Event]] = {}
+            for i, x in items:
+                if x is None:
+                    left -= 1
+                else:
+                    by.setdefault(i, []).append(x)
+            for i, events in by.items():
+                yield i, events
 
-    def result(self) -> Result:
-        return self.ticket.wait(0)
+    def cancel(self, i: int | None = None) -> None:
+        for t in self.tickets if i is None else [self.tickets[i]]:
+            t.cancel()
+
+    def results(self) -> list[Result]:
+        return [t.wait(0) for t in self.tickets]
 
 
-def usage(prompt_tokens: int, s: Summary) -> dict[str, Any]:
-    """OpenAI's usage, plus what a dLLM run is measured by (completion tokens count through the stop token)."""
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": s.answer_tokens,
-            "total_tokens": prompt_tokens + s.answer_tokens, "nfe": s.nfe,
-            "tokens_per_forward": round(s.tokens_per_forward, 4), "engine_seconds": round(s.seconds, 6),
-            "engine_ttft": round(s.ttft, 6)}
+class Choice:
+    """One choice's text (cut at stop strings) and its committed tokens, for logprobs in text order."""
+
+    def __init__(self, index: int, stops: list[str]):
+        self.index, self.stop, self.text = index, StopMatcher(stops), ""
+        self.tokens: dict[int, Any] = {}  # answer position -> events.Token
+        self.next_pos, self.offset = 0, 0  # logprobs handed out so far
+
+    def push(self, batch: list[Event]) -> str:
+        for e in batch:
+            for t in e.committed:
+                self.tokens[t.pos] = t
+        d = self.stop.push("".join(e.text_delta for e in batch))
+        self.text += d
+        return d
+
+    def flush(self) -> str:
+        d = self.stop.flush()
+        self.text += d
+        return d
+
+    def take(self) -> list[tuple[Any, int]]:
+        """(token, text offset) of the answer tokens that start inside the text released so far, not yet taken."""
+        out = []
+        while self.next_pos in self.tokens and self.offset < len(self.text):
+            t = self.tokens[self.next_pos]
+            out.append((t, self.offset))
+            self.offset += len(t.text)
+            self.next_pos += 1
+        return out
+
+
+def _logprobs_json(chat: bool, toks: list[tuple[Any, int]]) -> dict[str, Any]:
+    """OpenAI's logprobs object; logprob = ln(the confidence the token was committed with)."""
+    lp = [math.log(max(t.conf, 1e-45)) for t, _ in toks]
+    if chat:
+        return {"content": [{"token": t.text, "logprob": v, "bytes": list(t.text.encode("utf-8")), "top_logprobs": []}
+                            for (t, _), v in zip(toks, lp)]}
+    return {"tokens": [t.text for t, _ in toks], "token_logprobs": lp, "top_logprobs": None,
+            "text_offset": [o for _, o in toks]}
+
+
+def usage(prompt_tokens: int, summaries: list[Summary]) -> dict[str, Any]:
+    """OpenAI's usage, plus what a dLLM run is measured by (completion tokens count through the stop token); with
+    n > 1 choices: tokens and NFE summed, seconds the longest row's, TTFT the first row's."""
+    tokens, nfe = sum(s.answer_tokens for s in summaries), sum(s.nfe for s in summaries)
+    tpf = summaries[0].tokens_per_forward if len(summaries) == 1 else tokens / max(nfe, 1)
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": tokens,
+            "total_tokens": prompt_tokens + tokens, "nfe": nfe,
+            "tokens_per_forward": round(tpf, 4), "engine_seconds": round(max(s.seconds for s in summaries), 6),
+            "engine_ttft": round(min(s.ttft for s in summaries), 6)}
 
 
 class Histogram:
@@ -490,8 +582,10 @@ def create_app(engine: Engine, scheduler: Scheduler, model_id: str | None = None
                                 f"{engine.max_context}; ask for at most {engine.max_context - len(ids)}", n)
         info = request.scope["state"]["log"]
         info["prompt_tokens"] = len(ids)
+        seed = req.cfg.seed
+        cfgs = [req.cfg if seed is None else replace(req.cfg, seed=(seed + i) % 2**63) for i in range(req.n)]
         try:
-            live = LiveTicket(scheduler, ids, req.cfg, req.user_text, record=req.denoise_events)
+            live = LiveGroup(scheduler, ids, cfgs, req.user_text, record=req.denoise_events)
         except ConfigError as e:
             raise ApiError(400, str(e), param) from None
         except SchedulerBusy as e:
@@ -510,81 +604,95 @@ def create_app(engine: Engine, scheduler: Scheduler, model_id: str | None = None
         if "ttft" not in state["log"] and any(e.committed for e in batch):
             state["log"]["ttft"] = time.perf_counter() - state["t0"]
 
-    def _finished(request: Request, res: Result, reason: str) -> None:
-        request.scope["state"]["log"].update(completion_tokens=res.summary.answer_tokens, finish_reason=reason)
+    def _finished(request: Request, results: list[Result], reasons: list[str]) -> None:
+        request.scope["state"]["log"].update(completion_tokens=sum(r.summary.answer_tokens for r in results),
+                                             finish_reason=reasons[0] if len(set(reasons)) == 1 else reasons)
 
-    async def _whole(request: Request, live: LiveTicket, req: ApiRequest, head: dict, n_prompt: int) -> dict:
-        stop, text, events = StopMatcher(req.stops), "", []
+    def _reason(c: Choice, res: Result) -> str:
+        return "stop" if c.stop.hit else FINISH.get(res.summary.stop_reason, "stop")
+
+    async def _whole(request: Request, live: LiveGroup, req: ApiRequest, head: dict, n_prompt: int) -> dict:
+        choices = [Choice(i, req.stops) for i in range(req.n)]
         try:
-            async for batch in live.batches():
+            async for i, batch in live.batches():
                 _seen(request, batch)
-                text += stop.push("".join(e.text_delta for e in batch))
-                if stop.hit:
-                    live.ticket.cancel()
+                choices[i].push(batch)
+                if choices[i].stop.hit:
+                    live.cancel(i)
                 if await request.is_disconnected():
-                    live.ticket.cancel()
-            text += stop.flush()
+                    live.cancel()
+            for c in choices:
+                c.flush()
         finally:
-            live.ticket.cancel()  # no-op once finished; frees the row if this handler is torn down early
+            live.cancel()  # no-op once finished; frees the rows if this handler is torn down early
         try:
-            res = live.result()
+            results = live.results()
         except Exception as e:  # noqa: BLE001 - an engine fault: this request fails, the server keeps serving
             raise ApiError(500, f"decoding failed: {e}") from None
-        reason = "stop" if stop.hit else FINISH.get(res.summary.stop_reason, "stop")
-        _finished(request, res, reason)
-        choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": reason}
-                  if req.chat else {"index": 0, "text": text, "finish_reason": reason, "logprobs": None})
-        out = {**head, "choices": [choice], "usage": usage(n_prompt, res.summary)}
-        if req.denoise_events and res.trace is not None:
-            out["trace"] = res.trace.to_json()
+        reasons = [_reason(c, r) for c, r in zip(choices, results)]
+        _finished(request, results, reasons)
+        out_choices = []
+        for c, reason in zip(choices, reasons):
+            lp = _logprobs_json(req.chat, c.take()) if req.logprobs else None
+            out_choices.append({"index": c.index, "message": {"role": "assistant", "content": c.text},
+                                "logprobs": lp, "finish_reason": reason} if req.chat else
+                               {"index": c.index, "text": c.text, "finish_reason": reason, "logprobs": lp})
+        out = {**head, "choices": out_choices, "usage": usage(n_prompt, [r.summary for r in results])}
+        if req.denoise_events and results[0].trace is not None:
+            out["trace"] = results[0].trace.to_json()
         return out
 
-    async def _stream(request: Request, live: LiveTicket, req: ApiRequest, head: dict,
+    async def _stream(request: Request, live: LiveGroup, req: ApiRequest, head: dict,
                       n_prompt: int) -> AsyncIterator[str]:
         obj = "chat.completion.chunk" if req.chat else "text_completion"
 
-        def chunk(text: str | None, reason: str | None = None, **extra: Any) -> str:
+        def chunk(c: Choice, text: str | None, reason: str | None = None, **extra: Any) -> str:
+            lp = _logprobs_json(req.chat, c.take()) if req.logprobs else None
             if req.chat:
                 delta = {} if text is None else {"content": text}
-                choice = {"index": 0, "delta": delta, "finish_reason": reason}
+                choice = {"index": c.index, "delta": delta, "logprobs": lp, "finish_reason": reason}
             else:
-                choice = {"index": 0, "text": text or "", "finish_reason": reason, "logprobs": None}
+                choice = {"index": c.index, "text": text or "", "finish_reason": reason, "logprobs": lp}
             return "data: " + json.dumps({**head, "object": obj, "choices": [choice], **extra},
                                          ensure_ascii=False) + "\n\n"
 
-        stop = StopMatcher(req.stops)
+        choices = [Choice(i, req.stops) for i in range(req.n)]
         try:
             first: dict[str, Any] = {}
-            if req.denoise_events and live.ticket.trace is not None:
-                first["denoise_header"] = live.ticket.trace.header
-            if req.chat:
-                yield "data: " + json.dumps({**head, "object": obj, **first, "choices": [
-                    {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]}) + "\n\n"
-            elif first:
-                yield chunk("", **first)
-            async for batch in live.batches():
+            if req.denoise_events and live.tickets[0].trace is not None:
+                first["denoise_header"] = live.tickets[0].trace.header
+            for c in choices:
+                if req.chat:
+                    yield "data: " + json.dumps({**head, "object": obj, **first, "choices": [
+                        {"index": c.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                         "finish_reason": None}]}) + "\n\n"
+                elif first:
+                    yield chunk(c, "", **first)
+            async for i, batch in live.batches():
                 _seen(request, batch)
-                text = stop.push("".join(e.text_delta for e in batch))
-                if stop.hit:
-                    live.ticket.cancel()
+                c = choices[i]
+                text = c.push(batch)
+                if c.stop.hit:
+                    live.cancel(i)
                 extra = {"denoise_events": [e.to_json() for e in batch]} if req.denoise_events else {}
                 if text or extra:
-                    yield chunk(text, **extra)
-            res = live.result()
-            tail = stop.flush()
-            reason = "stop" if stop.hit else FINISH.get(res.summary.stop_reason, "stop")
-            _finished(request, res, reason)
-            last = {"denoise_summary": asdict(res.summary)} if req.denoise_events else {}
-            yield chunk(tail or None, reason, **last) if req.chat else chunk(tail, reason, **last)
+                    yield chunk(c, text, **extra)
+            results = live.results()
+            reasons = [_reason(c, r) for c, r in zip(choices, results)]
+            _finished(request, results, reasons)
+            for c, res, reason in zip(choices, results, reasons):
+                tail = c.flush()
+                last = {"denoise_summary": asdict(res.summary)} if req.denoise_events else {}
+                yield chunk(c, tail or None, reason, **last) if req.chat else chunk(c, tail, reason, **last)
             if req.include_usage:
                 yield "data: " + json.dumps({**head, "object": obj, "choices": [],
-                                             "usage": usage(n_prompt, res.summary)}) + "\n\n"
+                                             "usage": usage(n_prompt, [r.summary for r in results])}) + "\n\n"
             yield "data: [DONE]\n\n"
         except Exception as e:  # noqa: BLE001 - headers are sent: report in-band, as OpenAI-compatible servers do
             request.scope["state"]["log"]["finish_reason"] = "error"
             yield "data: " + json.dumps({"error": {"message": f"decoding failed: {e}", "type": "server_error"}}) + "\n\n"
         finally:
-            live.ticket.cancel()  # the client went away (or we are done): its row leaves before the next forward
+            live.cancel()  # the client went away (or we are done): its rows leave before the next forward
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):

@@ -269,7 +269,8 @@ def fuzz_bodies(model: str, rng: random.Random, n: int):
     keys = ["model", "messages", "prompt", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed", "stop",
             "stream", "stream_options", "n", "logprobs", "mode", "block_size", "sub_block_size", "threshold",
             "strategy", "factor", "cache", "stop_guard", "frequency_penalty", "presence_penalty",
-            "repetition_penalty", "no_repeat_ngram_size", "denoise_events", "response_format", "user", "tools", "x" * 500]
+            "repetition_penalty", "no_repeat_ngram_size", "denoise_events", "response_format", "user", "tools", "x" * 500,
+            "top_logprobs", "echo"]
     routes = ["/v1/chat/completions", "/v1/completions", "/tokenize"]
     raw_cases = [b"", b"{", b"null", b"[]", b"1", b'"s"', b"\xff\xfe\x00", b"{" * 50_000, b"[" * 100_000,
                  b'{"model": ' + b"9" * 5000 + b"}", b'{"a": NaN}', b'{"a": Infinity}', b"{}" * 10, b'{"model": "\\ud800"}',
@@ -322,3 +323,64 @@ def test_fuzz_no_500s_and_no_tracebacks(engine, logs):
     assert n >= 1000, (n, statuses)
     assert statuses.get(200, 0) > 50 and statuses.get(400, 0) > 500  # the mutations reach both sides
     no_traceback(logs)
+
+
+# ---------------------------------------------------------------- n and logprobs
+def test_n_choices_greedy_equal_and_seeded_rows_reproduce(tc, engine):
+    name = engine.lm.name
+    body = {"model": name, "messages": HI, "mode": "ar", "max_tokens": 3, "n": 3}
+    r = tc.post("/v1/chat/completions", json=body).json()
+    texts = [c["message"]["content"] for c in r["choices"]]
+    assert [c["index"] for c in r["choices"]] == [0, 1, 2] and len(set(texts)) == 1  # greedy: equal
+    one = tc.post("/v1/chat/completions", json={**body, "n": 1}).json()
+    assert one["choices"][0]["message"]["content"] == texts[0]
+    assert r["usage"]["completion_tokens"] == 3 * one["usage"]["completion_tokens"]
+    # sampling: choice i is seeded seed + i, so it equals the n = 1 request with that seed
+    hot = {"model": name, "prompt": "My favourite word is", "mode": "ar", "max_tokens": 3, "temperature": 1.5}
+    many = tc.post("/v1/completions", json={**hot, "n": 2, "seed": 7}).json()["choices"]
+    alone = [tc.post("/v1/completions", json={**hot, "seed": s}).json()["choices"][0]["text"] for s in (7, 8)]
+    assert [c["text"] for c in many] == alone
+    c = openai.OpenAI(base_url="http://testserver/v1", api_key="x", http_client=tc, max_retries=0)
+    stream = c.chat.completions.create(model=name, messages=HI, max_tokens=3, n=2, stream=True,
+                                       extra_body={"mode": "ar"})
+    got: dict[int, str] = {}
+    for ch in stream:
+        for choice in ch.choices:
+            got[choice.index] = got.get(choice.index, "") + (choice.delta.content or "")
+    assert got == {0: texts[0], 1: texts[0]}
+    is_openai_error(tc.post("/v1/chat/completions", json={**body, "n": 17}), 400, "n")
+    is_openai_error(tc.post("/v1/chat/completions", json={**body, "denoise_events": True}), 400, "denoise_events")
+
+
+def test_logprobs_are_the_committed_confidences(tc, engine):
+    import math
+
+    name = engine.lm.name
+    texts = {}
+    for knobs in ({"mode": "ar"}, {"mode": "diffusion", "cache": "block"}):
+        r = tc.post("/v1/chat/completions", json={"model": name, "messages": HI, "max_tokens": 4, "logprobs": True,
+                                                  "denoise_events": True, **knobs}).json()
+        [choice] = r["choices"]
+        content = choice["logprobs"]["content"]
+        trace = Trace.from_json(r["trace"])
+        conf = {t.pos: t.conf for e in trace.events for t in e.committed}
+        assert "".join(x["token"] for x in content) == choice["message"]["content"]
+        assert len(content) >= 1
+        texts[knobs["mode"]] = choice["message"]["content"]
+        for pos, x in enumerate(content):
+            assert x["logprob"] <= 0 and x["logprob"] == pytest.approx(math.log(conf[pos]), abs=1e-3)
+            assert x["top_logprobs"] == [] and bytes(x["bytes"]).decode() == x["token"]
+    r = tc.post("/v1/completions", json={"model": name, "prompt": "One, two,", "mode": "ar", "max_tokens": 3,
+                                         "logprobs": 0}).json()["choices"][0]
+    lp = r["logprobs"]
+    assert "".join(lp["tokens"]) == r["text"] and len(lp["token_logprobs"]) == len(lp["tokens"])
+    assert lp["text_offset"][0] == 0 and all(v <= 0 for v in lp["token_logprobs"])
+    streamed = "".join(t["token"] for ch in tc.post(
+        "/v1/chat/completions", json={"model": name, "messages": HI, "max_tokens": 4, "logprobs": True,
+                                      "stream": True, "mode": "ar"}).text.split("\n\n")
+        if ch.startswith("data: {") for c in json.loads(ch[6:])["choices"] for t in (c.get("logprobs") or {}).get(
+            "content", []))
+    assert streamed == texts["ar"]  # streamed logprobs follow the text, chunk by chunk
+    is_openai_error(tc.post("/v1/completions", json={"model": name, "prompt": "x", "logprobs": 5}), 400, "logprobs")
+    is_openai_error(tc.post("/v1/chat/completions", json={"model": name, "messages": HI, "logprobs": True,
+                                                          "top_logprobs": 2}), 400, "top_logprobs")
