@@ -23,7 +23,7 @@ from engine.config import fit_to_context
 from engine.decode import Cancel
 from engine.events import Listener
 
-KNOBS = ("mode", "block_size", "sub_block_size", "threshold", "strategy", "factor", "cache")
+KNOBS = ("mode", "block_size", "sub_block_size", "threshold", "strategy", "factor", "cache", "stop_guard")
 MESSAGES = "\x00messages:"  # chat_prompt's result on a plain server: the messages, templated by its /tokenize
 
 

@@ -16,13 +16,15 @@ _PRESETS_FILE: dict[str, Any] = json.loads((Path(__file__).with_name("presets.js
 PRESETS: list[dict[str, Any]] = _PRESETS_FILE["presets"]
 # The repetition knobs (issue 21 part 4), engine semantics in engine/config.py: each with its "off" value. The
 # studio's starting values are data (presets.json "defaults"), so the lead can turn one on without touching code.
-KNOBS = ("repetition_penalty", "frequency_penalty", "presence_penalty", "no_repeat_ngram_size")
-KNOB_OFF: dict[str, float | int] = {"repetition_penalty": 1.0, "frequency_penalty": 0.0, "presence_penalty": 0.0,
-                                    "no_repeat_ngram_size": 0}
+# stop_guard (engine/config.py) is the same kind of knob: a choice against endless answers, off = the paper's rule.
+KNOBS = ("repetition_penalty", "frequency_penalty", "presence_penalty", "no_repeat_ngram_size", "stop_guard")
+KNOB_OFF: dict[str, float | int | bool] = {"repetition_penalty": 1.0, "frequency_penalty": 0.0, "presence_penalty": 0.0,
+                                           "no_repeat_ngram_size": 0, "stop_guard": False}
 KNOB_DEFAULTS: dict[str, float | int] = {**KNOB_OFF, **{k: v for k, v in _PRESETS_FILE.get("defaults", {}).items()
                                                         if k in KNOB_OFF}}
 KNOB_NAMES = {"repetition_penalty": "repetition penalty", "frequency_penalty": "frequency penalty",
-              "presence_penalty": "presence penalty", "no_repeat_ngram_size": "no-repeat n-gram size"}
+              "presence_penalty": "presence penalty", "no_repeat_ngram_size": "no-repeat n-gram size",
+              "stop_guard": "stop guard"}
 DEFAULT_SYSTEM = "You are a helpful assistant."
 SWEEP_THRESHOLDS = (0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0)
 
@@ -53,6 +55,8 @@ INFO = {
                          "(OpenAI's rule, -2 to 2).",
     "presence_penalty": "0 = off. Subtracts this from the logit of every token already in the answer, once "
                         "(OpenAI's rule, -2 to 2).",
+    "stop_guard": "Diffusion: a step commits nothing right of a position whose best token is the stop token, so a "
+                  "confident continuation past the end cannot push the end away (off = the paper's rule).",
     "no_repeat_ngram_size": "0 = off. n > 0 never lets the answer repeat an n-token sequence of the prompt or "
                             "answer (transformers' rule, up to 64).",
 }
@@ -85,13 +89,16 @@ def defaults(can_diffuse: bool, block_size: int = 32) -> dict[str, Any]:
             "system_prompt": DEFAULT_SYSTEM}
 
 
-def knobs_on(settings: Any) -> dict[str, float | int]:
+def knobs_on(settings: Any) -> dict[str, float | int | bool]:
     """The repetition knobs that are on (not at their off value) in a settings dict or a DecodeConfig."""
     get = settings.get if isinstance(settings, dict) else lambda k, d=None: getattr(settings, k, d)
     out = {}
     for k, off in KNOB_OFF.items():
         v = get(k, off)
-        if isinstance(v, (int, float)) and not isinstance(v, bool) and v != off:
+        if isinstance(off, bool):
+            if v is True:
+                out[k] = v
+        elif isinstance(v, (int, float)) and not isinstance(v, bool) and v != off:
             out[k] = v
     return out
 
@@ -101,7 +108,8 @@ def knobs_summary(settings: Any) -> str:
     on = knobs_on(settings)
     if not on:
         return ""
-    return "Repetition knobs on: " + " · ".join(f"{KNOB_NAMES[k]} {v:g}" for k, v in on.items())
+    return "Repetition knobs on: " + " · ".join(KNOB_NAMES[k] if isinstance(v, bool) else f"{KNOB_NAMES[k]} {v:g}"
+                                                for k, v in on.items())
 
 
 def _int_like(v: Any) -> Any:

@@ -149,8 +149,8 @@ LABEL_NAMES = {"block_size": "block", "sub_block_size": "sub-block", "threshold"
                "factor": "factor", "cache": "cache", "max_new_tokens": "max tokens", "temperature": "temperature",
                "top_p": "top-p", "seed": "seed", "repetition_penalty": "repetition penalty",
                "frequency_penalty": "frequency penalty", "presence_penalty": "presence penalty",
-               "no_repeat_ngram_size": "no-repeat n-gram"}
-DIFFUSION_ONLY = ("block_size", "sub_block_size", "threshold", "strategy", "factor", "cache")
+               "no_repeat_ngram_size": "no-repeat n-gram", "stop_guard": "stop guard"}
+DIFFUSION_ONLY = ("block_size", "sub_block_size", "threshold", "strategy", "factor", "cache", "stop_guard")
 
 
 def settings_label(cfg: dict[str, Any]) -> str:

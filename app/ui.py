@@ -227,6 +227,8 @@ def build(studio: Studio, slots: int = SLOTS) -> gr.Blocks:
                         pres_pen = gr.Slider(-2.0, 2.0, value=d["presence_penalty"], step=0.05,
                                              label="presence penalty", info=INFO["presence_penalty"],
                                              elem_id="fd-presence-penalty")
+                    stop_guard = gr.Checkbox(value=d["stop_guard"], label="stop guard", info=INFO["stop_guard"],
+                                             elem_id="fd-stop-guard")
                     system = gr.Textbox(value=d["system_prompt"], label="system prompt", info=INFO["system_prompt"],
                                         lines=1)
             with gr.Column(scale=6, min_width=340, elem_id="fd-live-col"):
@@ -297,7 +299,7 @@ def build(studio: Studio, slots: int = SLOTS) -> gr.Blocks:
                 sweep_plot = gr.Plot(plots.sweep_figure([]), show_label=False, elem_id="fd-sweep-plot")
                 sweep_table = gr.Dataframe(headers=list(SWEEP_COLUMNS), interactive=False, label="runs")
 
-        knob_widgets = [rep_pen, freq_pen, pres_pen, no_repeat]
+        knob_widgets = [rep_pen, freq_pen, pres_pen, no_repeat, stop_guard]
         widgets = [mode, block, sub, threshold, strategy, factor, cache, max_new, temperature, top_p, seed, system,
                    *knob_widgets]
         assert len(widgets) == len(WIDGET_KEYS)

@@ -44,3 +44,13 @@ def test_cli_flag_sets_the_guard():
 
     assert _settings(parser().parse_args(["generate", "--prompt", "hi", "--stop-guard"]))["stop_guard"] is True
     assert _settings(parser().parse_args(["generate", "--prompt", "hi"]))["stop_guard"] is False
+
+
+def test_studio_setting_reaches_the_config_and_says_it_is_on(engine):
+    from app.settings import KNOB_DEFAULTS, defaults, knobs_summary, to_config
+
+    assert "stop_guard" in defaults(True) and KNOB_DEFAULTS["stop_guard"] in (True, False)
+    cfg, _ = to_config(engine, {**defaults(True), "stop_guard": True})
+    assert cfg.stop_guard is True and "stop guard" in knobs_summary(cfg)
+    cfg, _ = to_config(engine, {**defaults(True), "stop_guard": False})
+    assert cfg.stop_guard is False and "stop guard" not in knobs_summary(cfg)
