@@ -14,6 +14,7 @@ MAX_NEW_TOKENS = 1024
 MAX_REPEATS = 5  # race and sweep: runs per point, for a median and a spread
 _PRESETS_FILE: dict[str, Any] = json.loads((Path(__file__).with_name("presets.json")).read_text("utf-8"))
 PRESETS: list[dict[str, Any]] = _PRESETS_FILE["presets"]
+EXAMPLES: list[str] = _PRESETS_FILE["examples"]
 # The repetition knobs (issue 21 part 4), engine semantics in engine/config.py: each with its "off" value. The
 # studio's starting values are data (presets.json "defaults"), so the lead can turn one on without touching code.
 # stop_guard (engine/config.py) is the same kind of knob: a choice against endless answers, off = the paper's rule.
@@ -25,7 +26,11 @@ KNOB_DEFAULTS: dict[str, float | int] = {**KNOB_OFF, **{k: v for k, v in _PRESET
 KNOB_NAMES = {"repetition_penalty": "repetition penalty", "frequency_penalty": "frequency penalty",
               "presence_penalty": "presence penalty", "no_repeat_ngram_size": "no-repeat n-gram size",
               "stop_guard": "stop guard"}
-DEFAULT_SYSTEM = "You are a helpful assistant."
+# Empty = no system turn from the studio: the model's chat template adds its own default (SmolLM2's "You are a
+# helpful AI assistant named SmolLM, ...", Fast_dLLM_v2's "You are a helpful assistant."), which is what the
+# adapter was trained and benchmarked with. A different one is off-distribution for the bundled model: with
+# "You are a helpful assistant." it answered "The capital of France is" + newlines to the first example.
+DEFAULT_SYSTEM = ""
 SWEEP_THRESHOLDS = (0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0)
 
 # One place for every control's explanation: the UI's info= lines and the /info API endpoint.
@@ -48,7 +53,8 @@ INFO = {
     "top_p": "Nucleus sampling: keep the smallest set of tokens whose probability sums to top-p "
              "(used when temperature > 0).",
     "seed": "-1 = a fresh random seed each run; a number ≥ 0 makes sampling reproducible.",
-    "system_prompt": "Sent as the system message before the conversation (leave empty for none).",
+    "system_prompt": "Sent as the system message before the conversation. Empty = the model's own default (its chat "
+                     "template's), which is what the bundled model was trained with.",
     "repetition_penalty": "1 = off. Above 1 divides (or multiplies, if negative) the logit of every token already "
                           "in the prompt or answer, so repeats get less likely (transformers' rule; up to 10).",
     "frequency_penalty": "0 = off. Subtracts this × (times the token is already in the answer) from its logit "

@@ -165,7 +165,7 @@ def settings_label(cfg: dict[str, Any]) -> str:
         keys = [k for k in keys if k != "threshold"]
     else:
         keys = [k for k in keys if k != "factor"]
-    parts = [f"{LABEL_NAMES[k]} {cfg.get(k)}" for k in keys]
+    parts = [LABEL_NAMES[k] if cfg.get(k) is True else f"{LABEL_NAMES[k]} {cfg.get(k)}" for k in keys]
     if "block_size" in keys:  # "block 32/8" reads better than two items
         parts = [f"block {cfg.get('block_size')}/{cfg.get('sub_block_size')}"] + \
                 [x for k, x in zip(keys, parts) if k not in ("block_size", "sub_block_size")]

@@ -19,7 +19,7 @@ from engine import ConfigError, Event, Result, Trace
 from . import api, plots, render
 from .api import SLOTS, engine_slots, error
 from .card import measured_for
-from .settings import BLOCK_SIZES, INFO, KNOBS, MAX_NEW_TOKENS, MAX_REPEATS, PRESETS, SWEEP_THRESHOLDS, \
+from .settings import BLOCK_SIZES, EXAMPLES, INFO, KNOBS, MAX_NEW_TOKENS, MAX_REPEATS, PRESETS, SWEEP_THRESHOLDS, \
     WIDGET_KEYS, check_repeats, check_seed, defaults, divisors, fit_sub_block, knobs_on, knobs_summary, settings_from_widgets
 from .stream import cancel_event, release, request_stop, stop_scope
 from .studio import Prepared, Studio
@@ -32,8 +32,6 @@ QUEUE_SIZE = 16  # requests waiting for a decoding slot (FASTDLLM_QUEUE_SIZE); o
 SWEEP_COLUMNS = ("threshold", "block_size", "sub_block_size", "runs", "tokens_per_second", "tokens_per_second_min",
                  "tokens_per_second_max", "tokens_per_forward", "nfe", "answer_tokens", "seconds", "stop_reason",
                  "finish")
-EXAMPLES = ["What is the capital of France?", "Write a haiku about the sea.",
-            "List three uses for a paperclip.", "Explain in two sentences why the sky is blue."]
 
 LIVE_TEMPLATE = '<div class="fd-live-root"></div>'
 PLAYER_TEMPLATE = '<div class="fd-player-root"></div>'
@@ -211,7 +209,7 @@ def build(studio: Studio, slots: int = SLOTS) -> gr.Blocks:
                             seed = gr.Number(value=d["seed"], precision=0, label="seed", info=INFO["seed"],
                                              elem_id="fd-seed")
                             seed_error = gr.HTML("", js_on_load=None, elem_id="fd-seed-error")
-                    gr.Markdown("**Repetition knobs** (all off by default; applied to every candidate a diffusion "
+                    gr.Markdown("**Repetition knobs** (the studio starts with the measured defaults of app/presets.json; applied to every candidate a diffusion "
                                 "step scores, and to AR)", elem_id="fd-knobs-head")
                     with gr.Row():
                         rep_pen = gr.Slider(0.5, 2.0, value=d["repetition_penalty"], step=0.05,

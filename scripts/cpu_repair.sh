@@ -4,13 +4,18 @@
 # After each segment the adapter is exported to $RUN/curve/step-NNNNNN.safetensors, to be scored with
 #   python -m bench quality --long-only ... (see assets/MODEL_CARD.md, "Long answers").
 # Resumable: run it again and it continues from the run's latest checkpoint (exact resume, training/README.md).
-# Env: RUN (runs/repair), STEPS (total steps of the schedule), SEG (steps per segment), THREADS (1), LR (1e-4).
+# Across working periods (a fresh machine has no runs/): the committed slim checkpoint training/repair/ckpt-slim.pt
+# (trainable tensors only) starts a new phase from where the last period stopped; optimiser momentum and the
+# schedule start again, and the phases are recorded in the adapter's metadata.
+# Env: RUN (runs/repair), STEPS (total steps of this phase's schedule), SEG (steps per segment), THREADS (1), LR (1e-4).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 RUN=${RUN:-runs/repair} STEPS=${STEPS:-240} SEG=${SEG:-20} THREADS=${THREADS:-1} LR=${LR:-1e-4}
 PY=${PY:-.venv/bin/python}
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" FASTDLLM_THREADS=$THREADS
 mkdir -p "$RUN/curve"
+INIT=assets/fastdllm_adapter.safetensors
+[ -f training/repair/ckpt-slim.pt ] && INIT=training/repair/ckpt-slim.pt
 # 11,279 examples at batch 8 -> 1,410 steps an epoch; the cosine schedule spans STEPS steps
 EPOCHS=$($PY -c "print(round($STEPS * 8 / 11279, 6))")
 while :; do
@@ -26,7 +31,7 @@ EOF
   [ "$done_steps" -ge "$STEPS" ] && break
   next=$(( (done_steps / SEG + 1) * SEG )); [ "$next" -gt "$STEPS" ] && next=$STEPS
   $PY -m training train --data training/data/selfinstruct --answers finish --max-len 256 \
-      --init-from assets/fastdllm_adapter.safetensors --run "$RUN" --batch-size 8 --micro-batch 4 \
+      --init-from "$INIT" --run "$RUN" --batch-size 8 --micro-batch 4 \
       --lr "$LR" --warmup-steps 5 --min-lr-ratio 0.3 --epochs "$EPOCHS" --threads "$THREADS" \
       --save-every-s 600 --max-steps "$next" --seed 21
   $PY -m training export --run "$RUN" --out "$RUN/curve/step-$(printf %06d "$next").safetensors"

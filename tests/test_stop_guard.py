@@ -54,3 +54,18 @@ def test_studio_setting_reaches_the_config_and_says_it_is_on(engine):
     assert cfg.stop_guard is True and "stop guard" in knobs_summary(cfg)
     cfg, _ = to_config(engine, {**defaults(True), "stop_guard": False})
     assert cfg.stop_guard is False and "stop guard" not in knobs_summary(cfg)
+
+
+def test_every_studio_example_finishes_at_the_studio_defaults(engine):
+    """Issue 21: each example prompt the studio offers ends with its stop token, without looping, when sent with
+    the studio's default settings (app/presets.json) through the studio's own request path."""
+    from app.settings import EXAMPLES, defaults
+    from app.studio import Studio
+    from engine.finish import judge
+
+    studio = Studio(engine)
+    for example in EXAMPLES:
+        prep = studio.prepare(example, [], defaults(True))
+        s = engine.generate_ids([prep.ids], prep.cfg, record=False)[0].summary
+        verdict = judge(s.text, s.stop_reason)
+        assert verdict.complete, (example, verdict.label, s.text[:200])
