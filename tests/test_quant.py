@@ -239,7 +239,10 @@ def test_one_call_layer_step_matches_the_eager_layers(monkeypatch):
     # default switch (33): every step below fp32; at 16 the 31-wide prefill and the block step run bf16 activations
     # (fused and eager alike, in another order: logits up to ~1.1 % of the largest apart over random ids), and the
     # narrow steps inherit the prefill's K/V difference
-    for switch, tol_narrow, tol_block in ((None, 1e-4, 1e-4), ("16", 5e-3, 2e-2)):
+    # without AVX-512 BF16 the bf16 block step runs a dense bf16 copy through torch instead of q4_bf16: measured
+    # 2.8 % of the largest logit on an Intel Xeon (2 % bound on Zen 4)
+    bf16_block_tol = 2e-2 if cpu_kernels.bf16_ok() else 4e-2
+    for switch, tol_narrow, tol_block in ((None, 1e-4, 1e-4), ("16", 5e-3, bf16_block_tol)):
         if switch is None:
             monkeypatch.delenv("FASTDLLM_INT4_WIDE_ROWS", raising=False)
         else:
@@ -248,7 +251,10 @@ def test_one_call_layer_step_matches_the_eager_layers(monkeypatch):
         steps_of = {id(m): m.steps for m in (q.lm.base, q.lm.dllm)}
         for model in (q.lm.base, q.lm.dllm):
             assert model.steps is not None and len(model.steps) == model.cfg.num_hidden_layers
-            assert model.steps[0].max_width == quant.FUSED_MAX_WIDTH
+            # up to a block when the CPU has AVX-512 BF16 (q4_bf16 wide calls); otherwise below the fp32/bf16 switch
+            # (this test ran on an Intel Xeon without avx512_bf16 as well as on Zen 4)
+            wide = quant.FUSED_MAX_WIDTH if cpu_kernels.bf16_ok() else model.steps[0].wide_rows - 1
+            assert model.steps[0].max_width == wide
             assert model.steps[0].wide_rows == (quant.OURS_WIDE_ROWS if switch is None else int(switch))
             ids = torch.randint(0, 2000, (2, 72), generator=torch.Generator().manual_seed(7))
             pos = torch.arange(72)[None].expand(2, 72)
