@@ -78,6 +78,9 @@ def _settings(pg, **values: float) -> None:
         box = pg.locator(f"#fd-{elem} input[type=number]")
         box.fill(str(v))
         box.press("Enter")
+        rng = pg.locator(f"#fd-{elem} input[type=range]")
+        if rng.count() and rng.input_value() != str(v):  # the number box did not take: set the range itself
+            rng.fill(str(v))
 
 
 def _send(pg, text: str) -> None:
