@@ -79,8 +79,9 @@ def _settings(pg, **values: float) -> None:
         box.fill(str(v))
         box.press("Enter")
         rng = pg.locator(f"#fd-{elem} input[type=range]")
-        if rng.count() and rng.input_value() != str(v):  # the number box did not take: set the range itself
-            rng.fill(str(v))
+        if rng.count() and float(rng.input_value()) != float(v):  # the box did not take: set the range itself
+            rng.evaluate("(e, v) => { e.value = v; e.dispatchEvent(new Event('input', {bubbles: true}));"
+                         " e.dispatchEvent(new Event('change', {bubbles: true})); }", str(v))
 
 
 def _send(pg, text: str) -> None:
