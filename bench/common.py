@@ -28,7 +28,7 @@ def parse_list(text: str | None, kind: type = str) -> list[Any]:
 
 def load_prompts(path: str | Path, limit: int | None = None) -> list[str]:
     """Prompts from JSONL of {"prompt": ...} (other fields ignored); errors name the line."""
-    from .checker import read_jsonl
+    from grading.checker import read_jsonl
 
     prompts: list[str] = []
     for lineno, item in read_jsonl(path):

@@ -15,7 +15,7 @@ bench/data/long_checkable.jsonl):
   bench/data/README.md), and in_order_rate (the sequence is there, stopped or not).
 
 Grading a checkable answer. The mentions of an answer are the whole-word, case-insensitive matches of the
-item's sequence elements (bench/checker.mention_pattern), in text order, as element indices; a numbered-list
+item's sequence elements (grading/checker.mention_pattern), in text order, as element indices; a numbered-list
 marker opening a line ("12. ", "3) ") is not a mention.
 - match "list" (default): the mentions must contain the whole sequence as one contiguous run (every element,
   in order, nothing from the sequence in between), and at most EXTRA_MENTIONS mentions outside that run (room
@@ -34,7 +34,7 @@ from typing import Any
 
 from engine.finish import Finish, judge
 
-from .checker import load_eval_set, mention_pattern, normalise, read_jsonl
+from grading.checker import load_eval_set, mention_pattern, normalise, read_jsonl
 from .common import BENCH_DIR, progress
 
 CHECKABLE_SET = BENCH_DIR / "data" / "long_checkable.jsonl"

@@ -1,7 +1,7 @@
 """Quality benchmark: accuracy of the AR base and of the dLLM across thresholds on a held-out short-answer set.
 
 An answer is correct when any of the item's answers occurs in the output as a whole word or phrase,
-ignoring case (bench/checker.py). Tokens per forward and tokens/s use the same accounting as the
+ignoring case (grading/checker.py). Tokens per forward and tokens/s use the same accounting as the
 throughput benchmark: answer tokens through the stop token, engine time only.
 
 --agree-with REF compares every answer with a reference run's (its results.json; same item id, mode and threshold):
@@ -41,7 +41,7 @@ class Score:
         self.outputs: list[dict[str, Any]] = []
 
     def add(self, eng, chunk: list[dict[str, Any]], ids: list[list[int]], cfg) -> None:
-        from .checker import is_correct
+        from grading.checker import is_correct
 
         res = eng.generate_ids(ids, cfg, record=False)
         self.secs += max(r.summary.seconds for r in res)
@@ -175,7 +175,7 @@ def parse_decode(text: str | None) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    from .checker import load_eval_set
+    from grading.checker import load_eval_set
 
     check_args(args)
     ref = load_reference(args.agree_with) if args.agree_with else None  # before the long run: fail early

@@ -4,9 +4,9 @@
 # After each segment the adapter is exported to $RUN/curve/step-NNNNNN.safetensors, to be scored with
 #   python -m bench quality --long-only ... (see assets/MODEL_CARD.md, "Long answers").
 # Resumable: run it again and it continues from the run's latest checkpoint (exact resume, training/README.md).
-# Across working periods (a fresh machine has no runs/): the committed slim checkpoint training/repair/ckpt-slim.pt
-# (trainable tensors only) starts a new phase from where the last period stopped; optimiser momentum and the
-# schedule start again, and the phases are recorded in the adapter's metadata.
+# On a fresh machine (no runs/), INIT=<a slim checkpoint or adapter file> starts a new phase from where an earlier
+# period stopped; optimiser momentum and the schedule start again, and the phases are recorded in the adapter's
+# metadata. Default: the shipped adapter.
 # Env: RUN (runs/repair), STEPS (total steps of this phase's schedule), SEG (steps per segment), THREADS (1), LR (1e-4).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -14,8 +14,7 @@ RUN=${RUN:-runs/repair} STEPS=${STEPS:-240} SEG=${SEG:-20} THREADS=${THREADS:-1}
 PY=${PY:-.venv/bin/python}
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" FASTDLLM_THREADS=$THREADS
 mkdir -p "$RUN/curve"
-INIT=assets/fastdllm_adapter.safetensors
-[ -f training/repair/ckpt-slim.pt ] && INIT=training/repair/ckpt-slim.pt
+INIT=${INIT:-assets/fastdllm_adapter.safetensors}
 # 11,279 examples at batch 8 -> 1,410 steps an epoch; the cosine schedule spans STEPS steps
 EPOCHS=$($PY -c "print(round($STEPS * 8 / 11279, 6))")
 while :; do

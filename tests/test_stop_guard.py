@@ -69,3 +69,14 @@ def test_every_studio_example_finishes_at_the_studio_defaults(engine):
         s = engine.generate_ids([prep.ids], prep.cfg, record=False)[0].summary
         verdict = judge(s.text, s.stop_reason)
         assert verdict.complete, (example, verdict.label, s.text[:200])
+
+
+def test_bench_quality_decode_option_parses_settings_and_refuses_bad_ones():
+    from bench.quality import parse_decode
+
+    assert parse_decode("frequency_penalty=0.5,no_repeat_ngram_size=4,stop_guard=true") == \
+        {"frequency_penalty": 0.5, "no_repeat_ngram_size": 4, "stop_guard": True}
+    assert parse_decode(None) == {} and parse_decode("stop_guard=false") == {"stop_guard": False}
+    for bad in ("nonsense=1", "threshold=0.5", "stop_guard"):
+        with pytest.raises(SystemExit, match="--decode"):
+            parse_decode(bad)

@@ -25,7 +25,7 @@ def load_choice(**kwargs):
 
 
 def process_short_answer(doc: dict, results: list[str]) -> dict[str, float]:
-    """Correct when any answer occurs in the output as a whole word, ignoring case (bench/checker.py)."""
-    from bench.checker import is_correct
+    """Correct when any answer occurs in the output as a whole word, ignoring case (grading/checker.py)."""
+    from grading.checker import is_correct
 
     return {"acc": float(is_correct(results[0], doc["answers"]))}
