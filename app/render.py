@@ -122,9 +122,12 @@ def long_html(la: LongAnswers | None) -> str:
     if la.tokens_per_forward_complete is not None:
         over = f"its {la.complete_n} complete, non-looping answers" if la.complete_n is not None else \
             "complete, non-looping answers"
-        tpf = (f' Over {over} it decodes <b>{la.tokens_per_forward_complete:.2f} tokens per '
-               f'forward</b>' + (f' ({la.tokens_per_forward_all:.2f} over all: loops are easy to predict several '
-                                 f'tokens at a time)' if la.tokens_per_forward_all is not None else '') + '.')
+        allx = la.tokens_per_forward_all
+        # the loop remark only where the loops show: all answers decoding faster than the complete ones
+        note = "" if allx is None else (
+            f' ({allx:.2f} over all: loops are easy to predict several tokens at a time)'
+            if allx > la.tokens_per_forward_complete + 0.005 else f' ({allx:.2f} over all)')
+        tpf = f' Over {over} it decodes <b>{la.tokens_per_forward_complete:.2f} tokens per forward</b>{note}.'
     return (f'<span class="fd-long" id="fd-long"><b>Long answers:</b> it ends <b>{_pct(la.stop_rate)}</b> of them with '
             f'its stop token (AR base <b>{_pct(la.ar_stop_rate)}</b>) and loops on <b>{_pct(la.loop_rate)}</b> '
             f'(AR base <b>{_pct(la.ar_loop_rate)}</b>).{tpf} <span class="fd-long-src">({esc(la.set)}; '

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import json
-import os
 import tempfile
 import threading
 import time
@@ -25,6 +24,7 @@ from .stream import cancel_event, release, request_stop, stop_scope
 from .studio import Prepared, Studio
 from .traces import MAX_TRACE_BYTES, TraceError, parse_trace, trace_label
 from .verdict import finish_record
+from engine import env
 
 STATIC = Path(__file__).resolve().parent.parent / "static"
 MAX_SESSION_TRACES = 24
@@ -574,7 +574,7 @@ def queue_kwargs(max_size: int | None = None) -> dict[str, Any]:
     """The queue's bound: `max_size` requests may wait (else FASTDLLM_QUEUE_SIZE, else QUEUE_SIZE); one more is
     refused at once with Gradio's "queue is full" / "currently busy" message. Waiting clients see their position."""
     if max_size is None:
-        raw = os.environ.get("FASTDLLM_QUEUE_SIZE", "").strip() or str(QUEUE_SIZE)
+        raw = env.get("FASTDLLM_QUEUE_SIZE", str(QUEUE_SIZE))
         if not raw.isdigit():
             raise ValueError(f"FASTDLLM_QUEUE_SIZE must be a positive integer (got {raw!r})")
         max_size = int(raw)

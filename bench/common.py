@@ -53,9 +53,9 @@ _ENGINES: dict[tuple, Any] = {}
 
 def load_engine(model: str | None, dtype: str | None, device: str | None = None):
     """Engine.load, memoised per (model, dtype, device, model/adapter env) so in-process callers load once."""
-    from engine import Engine
+    from engine import Engine, env
 
-    key = (model, dtype, device, *(os.environ.get(f"FASTDLLM_{k}") for k in ("MODEL", "ADAPTER", "WEIGHTS", "INT4_WIDE_ROWS")))
+    key = (model, dtype, device, *(env.get(f"FASTDLLM_{k}") for k in ("MODEL", "ADAPTER", "WEIGHTS", "INT4_WIDE_ROWS")))
     if key not in _ENGINES:
         _ENGINES[key] = Engine.load(model, device=device, dtype=dtype)
     return _ENGINES[key]

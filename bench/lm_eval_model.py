@@ -24,7 +24,6 @@ import logging
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from lm_eval.api.model import LM
 from lm_eval.api.registry import register_model
 
@@ -177,71 +176,18 @@ class FastDLLMv2(LM):
             ctx, whole = [self.prefix_token_id], [self.prefix_token_id] + whole
         return ctx, whole[len(ctx):]
 
-    def _logprobs(self, logits: torch.Tensor) -> torch.Tensor:
-        logits = logits.float()
-        mask_id = self.eng.lm.mask_token_id
-        if mask_id is not None and mask_id < logits.shape[-1]:
-            logits[..., mask_id] = float("-inf")  # never an answer token, as in decoding
-        return F.log_softmax(logits, dim=-1)
+    def _score_tokens(self, x: list[int], first: int) -> tuple[float, bool]:
+        """log p(x[first:] | x[:first]) and whether every token is the argmax (engine/likelihood.py: the same
+        definition the server's `echo` serves)."""
+        from engine.likelihood import token_logprobs
 
-    @torch.inference_mode()
-    def _score_ar(self, x: list[int], first: int) -> tuple[float, bool]:
-        model = self.eng.lm.base
-        ids = torch.tensor([x], device=self._device)
-        pos = torch.arange(len(x), device=self._device)[None]
-        idx = torch.arange(first - 1, len(x) - 1, device=self._device)[None]
-        lp = self._logprobs(model(ids, pos, causal=True, logits_idx=idx))[0]
-        tgt = ids[0, first:]
-        return float(lp.gather(-1, tgt[:, None]).sum()), bool((lp.argmax(-1) == tgt).all())
-
-    @torch.inference_mode()
-    def _score_diffusion(self, x: list[int], first: int) -> tuple[float, bool]:
-        """log p(x[first:] | x[:first]) under left-to-right one-token-per-forward block decoding."""
-        from engine.model import KVCache, block_causal_mask
-
-        model, bs, dev = self.eng.lm.dllm, self.defaults["block_size"], self._device
-        mask_id = self.eng.lm.mask_token_id
-        n = len(x)
-        blocks = -(-n // bs)
-        cache = KVCache(model.cfg, 1, blocks * bs, dev, next(model.parameters()).dtype)
-        seq = torch.tensor([x], device=dev)
-        total, greedy = 0.0, True
-
-        def take(logits: torch.Tensor, q: int) -> None:
-            nonlocal total, greedy
-            lp = self._logprobs(logits.reshape(-1))
-            total += float(lp[x[q]])
-            greedy = greedy and int(lp.argmax()) == x[q]
-
-        b0 = first // bs * bs
-        if b0:  # clean prefix blocks, cached once; the last logit predicts position b0
-            pos = torch.arange(b0, device=dev)[None]
-            logits = model(seq[:, :b0], pos, cache, start=0, kv_len=b0, mask=block_causal_mask(pos, b0, bs),
-                           logits_idx=torch.tensor([[b0 - 1]], device=dev))
-            if first == b0:
-                take(logits, b0)
-        for start in range(b0, n, bs):
-            end = start + bs
-            pos = torch.arange(start, end, device=dev)[None]
-            for q in range(max(first, start + 1), min(n, end)):
-                win = torch.full((1, bs), mask_id, dtype=torch.long, device=dev)
-                win[0, :q - start] = seq[0, start:q]
-                logits = model(win, pos, cache, start=start, kv_len=end,
-                               logits_idx=torch.tensor([[q - 1 - start]], device=dev))
-                take(logits, q)
-            if end < n:  # commit the clean block: its K/V for later blocks, its last logit for position `end`
-                logits = model(seq[:, start:end], pos, cache, start=start, kv_len=end,
-                               logits_idx=torch.tensor([[bs - 1]], device=dev))
-                if end >= first:
-                    take(logits, end)
-        return total, greedy
+        lps = token_logprobs(self.eng.lm, x, first, self.defaults["mode"], self.defaults["block_size"])
+        return sum(t.logprob for t in lps), all(t.greedy for t in lps)
 
     def _score(self, x: list[int], first: int) -> tuple[float, bool]:
         if len(x) > self.max_length:
             raise ValueError(f"fast_dllm_v2: {len(x)} tokens exceed max_length={self.max_length}")
-        if self.defaults["mode"] == "ar":
-            return self._score_ar(x, first)
-        return self._score_diffusion(x, first)
+        return self._score_tokens(x, first)
 
     def loglikelihood(self, requests, disable_tqdm: bool = False) -> list[tuple[float, bool]]:
         from tqdm import tqdm

@@ -24,6 +24,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from engine import env
+
 from .common import (DEFAULT_EVAL_SET, DEFAULT_PROMPTS, environment, load_engine, parse_list, progress, save_figures,
                      setup_torch, table, write_json)
 from .longform import CHECKABLE_SET, long_chart, run_long_sets
@@ -143,7 +145,7 @@ def check_args(args: argparse.Namespace) -> None:
         if v is not None and v < 1:
             raise SystemExit(f"--{name.replace('_', '-')} must be >= 1, not {v}")
     if args.adapter:
-        model = args.model or os.environ.get("FASTDLLM_MODEL", "").strip() or None
+        model = args.model or env.get("FASTDLLM_MODEL") or None
         if model not in (None, "bundled"):
             raise SystemExit(f"--adapter applies to the bundled base; it cannot be combined with model {model!r}")
         if not Path(args.adapter).is_file():

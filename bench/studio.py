@@ -30,6 +30,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from engine import env
+
 from .common import DEFAULT_PROMPTS, load_prompts, table, write_json
 from .serve import SETTINGS, _free_port, compare, summarize
 
@@ -316,7 +318,7 @@ def run(args: argparse.Namespace) -> int:
         out = Path(args.out)
         write_json(out / "results.json", {
             "benchmark": "studio", "args": vars(args) | {"func": None}, "banner": info["banner"],
-            "weights": os.environ.get("FASTDLLM_WEIGHTS") or "default", "loadavg_before": load_before,
+            "weights": env.get("FASTDLLM_WEIGHTS", "default"), "loadavg_before": load_before,
             "loadavg_after": os.getloadavg(), "seconds": round(time.time() - t0, 1), "cpus": os.cpu_count(),
             "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "results": results})
         print(table([{"setting": r["setting"], "one": r["one_session"]["tokens_per_second"],

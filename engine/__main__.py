@@ -3,12 +3,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from pathlib import Path
 
 from .config import CACHE_MODES, MODES, STRATEGIES, ConfigError, DecodeConfig
 from .loading import ModelSourceError
+from . import env
 
 
 class _Parser(argparse.ArgumentParser):
@@ -134,7 +134,7 @@ def cmd_chat(a: argparse.Namespace) -> int:
 
 def serve_access(a: argparse.Namespace) -> tuple[str | None, list[str]]:
     """(API key or None, CORS origins): --api-key, else FASTDLLM_API_KEY; --allowed-origins split at commas."""
-    key = a.api_key if a.api_key is not None else os.environ.get("FASTDLLM_API_KEY") or None
+    key = a.api_key if a.api_key is not None else env.get("FASTDLLM_API_KEY") or None
     if key is not None and (not key.strip() or not key.isprintable() or not key.isascii()):
         raise ConfigError("api_key", "must be printable ASCII and not blank")
     return key, [o.strip() for o in (a.allowed_origins or "").split(",") if o.strip()]

@@ -12,6 +12,7 @@ import os
 from functools import lru_cache
 from pathlib import Path
 from types import ModuleType
+from . import env
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +41,7 @@ def bf16_ok() -> bool:
 
 
 def choice() -> str:
-    c = os.environ.get("FASTDLLM_KERNELS", "").strip() or "auto"
+    c = env.get("FASTDLLM_KERNELS", "auto")
     if c not in CHOICES:
         raise ValueError(f"FASTDLLM_KERNELS: {c!r} is not one of {', '.join(CHOICES)}")
     return c

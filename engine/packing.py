@@ -12,12 +12,12 @@ export never see packed models.
 from __future__ import annotations
 
 import ctypes
-import os
 
 import torch
 from torch import Tensor, nn
 
 from .model import CausalLM
+from . import env
 
 
 class PackedLinear(nn.Module):
@@ -43,7 +43,7 @@ class PackedLinear(nn.Module):
 
 def wanted(device: torch.device) -> bool:
     """Pack on CPU unless FASTDLLM_PACK=0 (GPU GEMM kernels are layout-agnostic)."""
-    return device.type == "cpu" and os.environ.get("FASTDLLM_PACK", "1").strip() != "0"
+    return device.type == "cpu" and env.get("FASTDLLM_PACK", "1") != "0"
 
 
 def pack_for_decode(model: CausalLM) -> CausalLM:

@@ -33,6 +33,7 @@ from torch import Tensor, nn
 
 from . import cpu_kernels
 from .model import WIDE_CALLS, CausalLM
+from . import env
 
 MODES = ("int4+bf16", "int4", "bf16", "fp32")
 DEFAULT_MODE = "int4+bf16"
@@ -72,13 +73,13 @@ class WeightPolicy:
 
     @classmethod
     def from_env(cls) -> "WeightPolicy":
-        mode = os.environ.get("FASTDLLM_WEIGHTS", "").strip() or DEFAULT_MODE
-        raw = os.environ.get("FASTDLLM_INT4_WIDE_ROWS", "").strip()
+        mode = env.get("FASTDLLM_WEIGHTS", DEFAULT_MODE)
+        raw = env.get("FASTDLLM_INT4_WIDE_ROWS")
         try:
             wide = int(raw) if raw else None
         except ValueError:
             raise ValueError(f"FASTDLLM_INT4_WIDE_ROWS: {raw!r} is not an integer >= 2") from None
-        return cls(mode, wide, os.environ.get("FASTDLLM_ACTIVATIONS", "").strip() or DEFAULT_ACT)
+        return cls(mode, wide, env.get("FASTDLLM_ACTIVATIONS", DEFAULT_ACT))
 
     def switch(self, ours: bool) -> int:
         """Positions per sequence from which int4+bf16 runs bf16 activations, with our kernels or torch's."""
@@ -455,7 +456,7 @@ class LayerStep:
 
 def fused_wanted() -> bool:
     """FASTDLLM_FUSED=0 turns the one-call layer step off (bench profile's per-module split needs the eager layer)."""
-    return os.environ.get("FASTDLLM_FUSED", "").strip() != "0"
+    return env.get("FASTDLLM_FUSED") != "0"
 
 
 # ---- assembling a model ---------------------------------------------------------------------------------

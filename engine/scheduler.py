@@ -32,9 +32,9 @@ class SchedulerBusy(RuntimeError):
 
 
 def batch_key(cfg: DecodeConfig) -> tuple:
-    """Requests with equal keys share forwards: every setting but the per-row answer cap, the per-row repetition
-    knobs (Decoder.new_rows takes them row by row) and the seed, which greedy decoding never reads."""
-    return astuple(replace(cfg, max_new_tokens=1, seed=cfg.seed if cfg.temperature > 0 else None,
+    """Requests with equal keys share forwards: every setting but the per-row answer cap, repetition knobs and
+    seed (Decoder.new_rows takes them row by row; each row samples from its own generator)."""
+    return astuple(replace(cfg, max_new_tokens=1, seed=None,
                            repetition_penalty=1.0, frequency_penalty=0.0, presence_penalty=0.0,
                            no_repeat_ngram_size=0))
 
@@ -95,6 +95,7 @@ class Scheduler:
         self.groups: dict[tuple, Group] = {}
         self.forwards = 0  # forwards run by the worker (prefills included): what batching saves
         self.running = 0  # rows in all batches after the worker's last pass (read from any thread)
+        self._live = 0  # submitted, not finished: also counts a row between waiting and its batch (prefill)
         self._cv = threading.Condition()
         self._closed = False
         self._worker = threading.Thread(target=self._loop, name="fastdllm-scheduler", daemon=True)
@@ -117,8 +118,15 @@ class Scheduler:
             if len(self.waiting) >= self.max_waiting:
                 raise SchedulerBusy(f"{len(self.waiting)} requests are waiting already; try again shortly")
             self.waiting.append(t)
+            self._live += 1
             self._cv.notify()
         return t
+
+    @property
+    def in_flight(self) -> int:
+        """Requests submitted and not yet finished, wherever they are (waiting, prefilling, decoding)."""
+        with self._cv:
+            return self._live
 
     def generate_ids(self, ids: list[int], cfg: DecodeConfig, **kw: Any) -> Result:
         return self.submit(ids, cfg, **kw).wait()
@@ -175,7 +183,7 @@ class Scheduler:
             try:
                 rows = dec.new_rows([t.ids for t in ts], indices=[0] * len(ts), max_new=[t.cfg.max_new_tokens for t in ts],
                                     listeners=[t.on_event for t in ts], cancels=[t.stop for t in ts],
-                                    penalties=[Penalties.of(t.cfg) for t in ts])
+                                    penalties=[Penalties.of(t.cfg) for t in ts], seeds=[t.cfg.seed for t in ts])
                 for t, r in zip(ts, rows):
                     t.row = r
                 new = dec.prefill([t.ids for t in ts], rows)
@@ -225,6 +233,9 @@ class Scheduler:
         if error is not None and t.error is None:
             t.error = error
         t.row = None
+        if not t.finished.is_set():
+            with self._cv:  # an RLock: _fail_all calls this while holding it
+                self._live -= 1
         t.finished.set()
         if t.on_finish is not None:
             try:

@@ -10,7 +10,9 @@ adds NFE, tokens per forward and engine seconds; `denoise_events: true` streams 
 Around the routes: GET /health, GET /metrics (Prometheus text), an optional API key (Bearer), optional CORS, one
 JSON log line per request on the "engine.serve" logger, and every error in OpenAI's shape
 {"error": {"message", "type", "param", "code"}}, unknown routes and wrong methods included. `n` > 1 runs n rows (seeds
-seed + i); `logprobs` serves each answer token's committed confidence, logged (docs/serving.md).
+seed + i); `logprobs` serves each answer token's committed confidence, logged; `echo` (completions) returns the
+prompt scored by engine/likelihood.py, which with /tokenizer_info and /detokenize lets lm-eval's own OpenAI client
+score log-likelihood tasks against the server (docs/serving.md).
 """
 from __future__ import annotations
 
@@ -31,6 +33,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .config import ConfigError, DecodeConfig
@@ -42,6 +45,8 @@ from .scheduler import MAX_BATCH, Scheduler, SchedulerBusy, Ticket
 KNOBS = ("mode", "block_size", "sub_block_size", "threshold", "strategy", "factor", "cache", "stop_guard")
 PENALTIES = ("frequency_penalty", "presence_penalty", "repetition_penalty", "no_repeat_ngram_size")
 MAX_N = 16  # choices per request (n): each is a scheduler row
+MAX_TOP_LOGPROBS = 5  # OpenAI's limit for completions' logprobs
+MAX_ECHO_DIFFUSION_TOKENS = 512  # echo + logprobs under diffusion: one forward per prompt token (engine/likelihood.py)
 MAX_PROMPT_CHARS = 200_000  # tokenising is cheap, not free: bound it before the context check
 MAX_BODY_BYTES = 8 << 20  # a request body larger than this gets 413 before it is parsed
 MAX_JSON_DEPTH = 32  # the deepest real request nests 4 levels (messages -> message -> content parts -> part)
@@ -94,6 +99,8 @@ class ApiRequest:
     max_tokens_given: bool = False  # False: the engine default, clipped to the context room left
     n: int = 1  # independent choices, each its own row (seeds seed + i)
     logprobs: bool = False  # each answer token's log-probability (its committed confidence, logged)
+    echo: bool = False  # completions: the prompt comes back before the answer, with its tokens' log-probabilities
+    top: int = 0  # with echo: the most likely alternatives per prompt token (lm-eval asks 1 to test greediness)
 
 
 def _bool(body: dict[str, Any], name: str) -> bool:
@@ -158,8 +165,11 @@ def parse(body: Any, chat: bool, engine: Engine, model_id: str) -> ApiRequest:
     n = 1 if body.get("n") is None else body["n"]
     if type(n) is not int or not 1 <= n <= MAX_N:
         raise ApiError(400, f"n: must be an integer in [1, {MAX_N}] (got {_show(n)})", "n")
-    logprobs = _logprobs(body, chat)
-    known = set(KNOBS) | set(PENALTIES) | {"n", "logprobs", "top_logprobs",
+    echo = False if chat else _bool(body, "echo")
+    logprobs, top = _logprobs(body, chat, echo)
+    if echo and (n > 1 or _bool(body, "stream")):
+        raise ApiError(400, "echo: only with n = 1 and without stream", "echo")
+    known = set(KNOBS) | set(PENALTIES) | {"n", "logprobs", "top_logprobs", *(() if chat else ("echo",)),
         "model", "messages", "prompt", "stream", "stream_options", "user", "max_tokens", "max_completion_tokens",
         "temperature", "top_p", "seed", "stop", "denoise_events", "response_format"}
     unknown = sorted(set(body) - known)
@@ -174,6 +184,9 @@ def parse(body: Any, chat: bool, engine: Engine, model_id: str) -> ApiRequest:
         prompt, user_text = engine.chat_prompt(msgs), msgs[-1]["content"]
     elif isinstance(body.get("prompt"), list) and body["prompt"] and all(type(t) is int for t in body["prompt"]):
         ids = _token_ids(body["prompt"], engine)
+    elif (isinstance(body.get("prompt"), list) and len(body["prompt"]) == 1 and isinstance(body["prompt"][0], list)
+          and body["prompt"][0] and all(type(t) is int for t in body["prompt"][0])):
+        ids = _token_ids(body["prompt"][0], engine)  # a batch of one token list (lm-eval's local-completions sends it)
     else:
         prompt = user_text = _text(body.get("prompt"), "prompt")
     if ids is None and not prompt.strip():
@@ -209,27 +222,33 @@ def parse(body: Any, chat: bool, engine: Engine, model_id: str) -> ApiRequest:
     if events and n > 1:
         raise ApiError(400, "denoise_events: only with n = 1", "denoise_events")
     return ApiRequest(chat, prompt, user_text, ids, cfg, _bool(body, "stream"), bool(opts.get("include_usage")),
-                      events, _stops(body.get("stop")), name, body.get(name) is not None, n, logprobs)
+                      events, _stops(body.get("stop")), name, body.get(name) is not None, n, logprobs, echo, top)
 
 
-def _logprobs(body: dict[str, Any], chat: bool) -> bool:
-    """Chat: logprobs true/false and top_logprobs; completions: logprobs as a count. Alternatives are not kept, so
-    only 0 top alternatives can be served."""
+def _logprobs(body: dict[str, Any], chat: bool, echo: bool = False) -> tuple[bool, int]:
+    """(logprobs on, top alternatives). Chat: logprobs true/false and top_logprobs; completions: logprobs as a count.
+    The decoder keeps each answer token's own probability, not the alternatives, so answers get 0 alternatives; with
+    echo the prompt's tokens are scored afresh (engine/likelihood.py) and get up to MAX_TOP_LOGPROBS."""
     top = body.get("top_logprobs")
     if top is not None and (type(top) is not int or top != 0):
         raise ApiError(400, f"top_logprobs: only 0; the engine keeps each answer token's own probability, not the "
                             f"alternatives (got {_show(top)})", "top_logprobs")
     v = body.get("logprobs")
     if v is None:
-        return False
+        return False, 0
     if chat:
         if not isinstance(v, bool):
             raise ApiError(400, f"logprobs: must be true or false (got {_show(v)})", "logprobs")
-        return v
+        return v, 0
+    if echo:
+        if type(v) is not int or not 0 <= v <= MAX_TOP_LOGPROBS:
+            raise ApiError(400, f"logprobs: with echo, an integer in [0, {MAX_TOP_LOGPROBS}] (alternatives for the "
+                                f"prompt's tokens) (got {_show(v)})", "logprobs")
+        return True, v
     if type(v) is not int or v != 0:
-        raise ApiError(400, f"logprobs: only 0 (each answer token's own log-probability); the engine does not keep "
-                            f"the alternatives (got {_show(v)})", "logprobs")
-    return True
+        raise ApiError(400, f"logprobs: only 0 (each answer token's own log-probability; alternatives only for the "
+                            f"prompt's tokens, with echo) (got {_show(v)})", "logprobs")
+    return True, 0
 
 
 def _token_ids(ids: list[int], engine: Engine) -> list[int]:
@@ -353,6 +372,20 @@ def _logprobs_json(chat: bool, toks: list[tuple[Any, int]]) -> dict[str, Any]:
                             for (t, _), v in zip(toks, lp)]}
     return {"tokens": [t.text for t, _ in toks], "token_logprobs": lp, "top_logprobs": None,
             "text_offset": [o for _, o in toks]}
+
+
+def _echo_logprobs(ptext: str, ptoks: list[str], scored: list[Any] | None, answer: dict[str, Any]) -> dict[str, Any]:
+    """OpenAI's completions logprobs with echo: the prompt's tokens first (the first has no context: null), then
+    the answer's (their own probability only; alternatives are not kept)."""
+    offsets, at = [], 0
+    for t in ptoks:
+        offsets.append(at)
+        at += len(t)
+    plp = [None] + [lp for _, lp in (scored or [])[:len(ptoks) - 1]]
+    ptop = [None] + [dict(top) for top, _ in (scored or [])[:len(ptoks) - 1]]
+    return {"tokens": ptoks + answer["tokens"], "token_logprobs": plp + answer["token_logprobs"],
+            "top_logprobs": ptop + [{t: v} for t, v in zip(answer["tokens"], answer["token_logprobs"])],
+            "text_offset": offsets + [len(ptext) + o for o in answer["text_offset"]]}
 
 
 def usage(prompt_tokens: int, summaries: list[Summary]) -> dict[str, Any]:
@@ -549,6 +582,27 @@ def create_app(engine: Engine, scheduler: Scheduler, model_id: str | None = None
         ids = engine.encode(text)
         return {"count": len(ids), "max_model_len": engine.max_context, "tokens": ids, "prompt": text}
 
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> dict[str, Any]:
+        """vLLM's /detokenize: token ids -> text (lm-eval's remote tokenizer calls it)."""
+        body = await _json(request)
+        ids = body.get("tokens")
+        if not isinstance(ids, list) or not all(type(t) is int for t in ids) or len(ids) > MAX_PROMPT_CHARS:
+            raise ApiError(400, "tokens: must be a list of token ids", "tokens")
+        vocab = engine.lm.cfg.vocab_size
+        if not all(0 <= t < vocab for t in ids):
+            raise ApiError(400, f"tokens: token ids must be in [0, {vocab})", "tokens")
+        return {"prompt": engine.lm.tokenizer.decode(ids)}
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info() -> dict[str, Any]:
+        """vLLM's /tokenizer_info: what lm-eval's remote tokenizer reads (special tokens, chat template) before it
+        scores against this server with /tokenize and /detokenize."""
+        tok = engine.lm.tokenizer
+        return {"tokenizer_class": type(tok).__name__, "eos_token": tok.eos_token, "bos_token": tok.bos_token,
+                "pad_token": tok.pad_token, "chat_template": getattr(tok, "chat_template", None),
+                "model_max_length": engine.max_context}
+
     async def _json(request: Request) -> dict[str, Any]:
         raw = await request.body()
         if len(raw) > MAX_BODY_BYTES:
@@ -596,7 +650,25 @@ def create_app(engine: Engine, scheduler: Scheduler, model_id: str | None = None
         if req.stream:
             return StreamingResponse(_stream(request, live, req, head, len(ids)), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
-        return await _whole(request, live, req, head, len(ids))
+        echo = None
+        if req.echo and req.logprobs and req.cfg.mode == "diffusion" and len(ids) > MAX_ECHO_DIFFUSION_TOKENS:
+            raise ApiError(400, f"echo: scoring a prompt under block diffusion costs one forward per token; at most "
+                                f"{MAX_ECHO_DIFFUSION_TOKENS} prompt tokens (got {len(ids)}; mode 'ar' scores any "
+                                f"length in one forward)", "echo")
+        if req.echo:  # scored before decoding starts, off the event loop
+            ptoks = [engine.lm.tokenizer.decode([t]) for t in ids]
+            scored = None
+            if req.logprobs:
+                from .likelihood import token_logprobs
+
+                def score() -> list[Any]:
+                    with engine.lock:  # the model's forwards take turns with the scheduler's (engine.py)
+                        return token_logprobs(engine.lm, ids, 1, req.cfg.mode, req.cfg.block_size, req.top)
+
+                scored = await run_in_threadpool(score)
+                scored = [([(engine.lm.tokenizer.decode([i]), v) for i, v in t.top], t.logprob) for t in scored]
+            echo = (req.prompt if req.ids is None else engine.lm.tokenizer.decode(ids), ptoks, scored)
+        return await _whole(request, live, req, head, len(ids), echo)
 
     def _seen(request: Request, batch: list[Event]) -> None:
         """Time to first token: request arrival to the first event that commits an answer token."""
@@ -611,7 +683,8 @@ def create_app(engine: Engine, scheduler: Scheduler, model_id: str | None = None
     def _reason(c: Choice, res: Result) -> str:
         return "stop" if c.stop.hit else FINISH.get(res.summary.stop_reason, "stop")
 
-    async def _whole(request: Request, live: LiveGroup, req: ApiRequest, head: dict, n_prompt: int) -> dict:
+    async def _whole(request: Request, live: LiveGroup, req: ApiRequest, head: dict, n_prompt: int,
+                     echo: tuple[str, list[str], list[Any] | None] | None = None) -> dict:
         choices = [Choice(i, req.stops) for i in range(req.n)]
         try:
             async for i, batch in live.batches():
@@ -634,6 +707,11 @@ def create_app(engine: Engine, scheduler: Scheduler, model_id: str | None = None
         out_choices = []
         for c, reason in zip(choices, reasons):
             lp = _logprobs_json(req.chat, c.take()) if req.logprobs else None
+            if echo is not None:  # the prompt before the answer; its tokens scored, the first one without a context
+                ptext, ptoks, scored = echo
+                c.text = ptext + c.text
+                if lp is not None:
+                    lp = _echo_logprobs(ptext, ptoks, scored, lp)
             out_choices.append({"index": c.index, "message": {"role": "assistant", "content": c.text},
                                 "logprobs": lp, "finish_reason": reason} if req.chat else
                                {"index": c.index, "text": c.text, "finish_reason": reason, "logprobs": lp})

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .model import CausalLM, KVCache
+from . import env
 
 
 EXACT_ROWS = 8  # up to here each row count gets its own shape (studio, serve: few rows, no padded work)
@@ -44,8 +45,8 @@ def row_bucket(rows: int) -> int:
 def wanted(device: torch.device) -> bool:
     """FASTDLLM_STATIC=1/0 forces the static path on/off; default: on for CUDA, off for CPU (measured slower
     there: attention over the whole capacity and padded windows cost more than the host work saved)."""
-    env = os.environ.get("FASTDLLM_STATIC", "").strip()
-    return env != "0" if env else device.type == "cuda"
+    val = env.get("FASTDLLM_STATIC")
+    return val != "0" if val else device.type == "cuda"
 
 
 def graphs_wanted(device: torch.device) -> bool:
@@ -54,7 +55,7 @@ def graphs_wanted(device: torch.device) -> bool:
     for that call, so graphs captured in one call would not outlive it."""
     if os.environ.get("SPACES_ZERO_GPU"):
         return False
-    return device.type == "cuda" and os.environ.get("FASTDLLM_GRAPHS", "1").strip() != "0"
+    return device.type == "cuda" and env.get("FASTDLLM_GRAPHS", "1") != "0"
 
 
 class StaticKVCache(KVCache):
@@ -86,32 +87,60 @@ class _Shape:
     graph: "torch.cuda.CUDAGraph | None" = None
 
 
+def static_layer(layer: torch.nn.Module, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor, k_cache: Tensor,
+                 v_cache: Tensor, write: Tensor) -> Tensor:
+    """One decoder layer of a static step: K/V scattered to their slots, attention over the whole capacity.
+    Every layer runs this same code on same-shaped tensors, so `torch.compile` of it (FASTDLLM_COMPILE) compiles
+    once and serves all layers (regional compilation: seconds, not the minutes of a whole unrolled model)."""
+    att = layer.self_attn
+    b, t, _ = x.shape
+    q, k, v = att.project(layer.input_layernorm(x), cos, sin)
+    slots = write[:, None, :, None].expand(b, att.hkv, t, att.d)
+    k_cache.scatter_(2, slots, k)
+    v_cache.scatter_(2, slots, v)
+    out = F.scaled_dot_product_attention(q, k_cache, v_cache, attn_mask=mask, enable_gqa=att.h != att.hkv)
+    x = x + att.o_proj(out.transpose(1, 2).reshape(b, t, att.h * att.d))
+    return x + layer.mlp(layer.post_attention_layernorm(x))
+
+
 def static_forward(model: CausalLM, cos_t: Tensor, sin_t: Tensor, keys: Tensor, cache: StaticKVCache,
-                   s: _Shape) -> Tensor:
+                   s: _Shape, layer_fn=static_layer) -> Tensor:
     """CausalLM.forward for a decode step, with static shapes and no host sync (see the module docstring)."""
     x = model.model.embed_tokens(s.ids)
-    b, t, _ = x.shape
     cos, sin = cos_t[s.pos].unsqueeze(1), sin_t[s.pos].unsqueeze(1)
     mask = (keys[None, :] < s.ends[:, None])[:, None, None, :]  # [B, 1, 1, capacity]
     for i, layer in enumerate(model.model.layers):
-        att = layer.self_attn
-        h = layer.input_layernorm(x)
-        q, k, v = att.project(h, cos, sin)
-        slots = s.write[:, None, :, None].expand(b, att.hkv, t, att.d)
-        cache.k[i].scatter_(2, slots, k)
-        cache.v[i].scatter_(2, slots, v)
-        out = F.scaled_dot_product_attention(q, cache.k[i], cache.v[i], attn_mask=mask,
-                                             enable_gqa=att.h != att.hkv)
-        x = x + att.o_proj(out.transpose(1, 2).reshape(b, t, att.h * att.d))
-        x = x + layer.mlp(layer.post_attention_layernorm(x))
+        x = layer_fn(layer, x, cos, sin, mask, cache.k[i], cache.v[i], s.write)
     x = x.gather(1, s.idx[..., None].expand(-1, -1, x.shape[-1]))
     return model.lm_head(model.model.norm(x))
+
+
+def compile_wanted() -> bool:
+    """FASTDLLM_COMPILE=1: torch.compile each static step's layer (fuses the ~50 small kernels a layer replays
+    around fp32 RMSNorm and RoPE; see docs/gpu.md). Off by default: it costs a compile per step shape at start."""
+    return env.get("FASTDLLM_COMPILE", "0") == "1"
+
+
+def compiled_layer(backend: str = "inductor"):
+    """static_layer under torch.compile, one per process and backend (the compiled code is shared by every
+    stepper's layers). dynamic=False: each (rows, width) is its own specialised graph, which is what CUDA graphs
+    replay anyway. Tests use backend "eager" (dynamo's tracing and guards without code generation)."""
+    if backend not in _COMPILED:
+        import torch._dynamo
+
+        # one graph per step shape; the default limit (8) would send a busy server's later shapes to eager
+        torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+        _COMPILED[backend] = torch.compile(static_layer, dynamic=False, backend=backend)
+    return _COMPILED[backend]
+
+
+_COMPILED: dict[str, object] = {}
 
 
 class StaticStepper:
     """Owns the static KV storage, RoPE tables and per-shape buffers (and graphs) of one model."""
 
-    def __init__(self, model: CausalLM, graphs: bool = False, quantum: int = 256):
+    def __init__(self, model: CausalLM, graphs: bool = False, quantum: int = 256, compile: bool | str = False):
         self.model = model
         self.device = next(model.parameters()).device
         self.dtype = model.model.norm.weight.dtype  # (a 4-bit model's embedding is int8)
@@ -122,6 +151,9 @@ class StaticStepper:
         self.pool = None
         self.captured = 0  # graphs captured so far (tests and benchmarks read it)
         self.graph_error: str | None = None  # why capture failed, if it did (the steps then run uncaptured)
+        # compile: True = torch.compile's default backend (inductor), a string = that backend
+        self.layer_fn = compiled_layer(compile if isinstance(compile, str) else "inductor") if compile else static_layer
+        self.compile_error: str | None = None  # why compiling failed, if it did (the steps then run uncompiled)
 
     # ------------------------------------------------------------ cache
     def new_cache(self, batch: int, max_len: int) -> StaticKVCache:
@@ -175,6 +207,12 @@ class StaticStepper:
         s.idx[:b, :n].copy_(logits_idx)
         if rows > b:  # the same storage, `rows` rows wide: every row's work stays in its row
             cache = StaticKVCache(cache.store_k, cache.store_v, rows)
+        if self.layer_fn is not static_layer and s.out is None:
+            try:  # compile (or fetch) this shape's graph before any capture; a failure falls back to eager layers
+                s.out = self._forward(cache, s)
+            except Exception as exc:  # noqa: BLE001 - a backend error must not stop decoding
+                self.layer_fn, self.compile_error = static_layer, f"{type(exc).__name__}: {exc}"[:500]
+                warnings.warn(f"torch.compile of the static layer failed; steps run uncompiled: {self.compile_error}")
         if s.graph is None and self.graphs:
             try:
                 self._capture(s, cache)
@@ -182,9 +220,12 @@ class StaticStepper:
                 self.graphs, self.graph_error, s.graph = False, f"{type(exc).__name__}: {exc}"[:500], None
                 warnings.warn(f"CUDA graph capture failed; static steps run uncaptured: {self.graph_error}")
         if s.graph is None:
-            return static_forward(self.model, self.cos, self.sin, self.keys, cache, s)[:b, :n]
+            return self._forward(cache, s)[:b, :n]
         s.graph.replay()
         return s.out[:b, :n]
+
+    def _forward(self, cache: StaticKVCache, s: _Shape) -> Tensor:
+        return static_forward(self.model, self.cos, self.sin, self.keys, cache, s, self.layer_fn)
 
     def _alloc(self, b: int, width: int, n: int) -> _Shape:
         z = lambda *shape: torch.zeros(shape, dtype=torch.long, device=self.device)  # noqa: E731
@@ -192,7 +233,7 @@ class StaticStepper:
 
     def _capture(self, s: _Shape, cache: StaticKVCache) -> None:
         """Warm up on a side stream (lazy inits, autotuning), then record one replayable step."""
-        run = lambda: static_forward(self.model, self.cos, self.sin, self.keys, cache, s)  # noqa: E731
+        run = lambda: self._forward(cache, s)  # noqa: E731
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):

@@ -27,8 +27,10 @@ TESTS[serve]="tests/test_serve.py"
 FILES[recipe]="training/recipe.py";    SOURCES[recipe]="training/ engine/"
 TESTS[recipe]="tests/test_training.py"
 FILES[checker]="grading/checker.py";   SOURCES[checker]="grading/ bench/ engine/"
-TESTS[checker]="tests/test_bench.py"
-ALL=(sampling decode model quant serve recipe checker)
+TESTS[checker]="tests/test_data.py tests/test_longform.py"
+FILES[finish]="engine/finish.py";      SOURCES[finish]="engine/"
+TESTS[finish]="tests/test_finish.py"
+ALL=(sampling decode model quant serve recipe checker finish)
 [ $# -gt 0 ] && ALL=("$@")
 
 out=$ROOT/bench/results/mutation

@@ -196,9 +196,26 @@ def test_gpu_bench_smoke_runs_every_section(tmp_path, capsys):
     b1 = r["engine"]["batches"]["1"]
     assert {"ar_static", "ar_eager", "transformers", "diffusion_t1", "diffusion_all"} <= set(b1)
     assert b1["same_tokens_ar_static_vs_eager"] == 1 and b1["diffusion_all"]["tokens_per_forward"] > 1
+    assert b1["common_prefix_ar_static_vs_ar_eager"] == [b1["ar_static"]["tokens"]]  # fp32: equal throughout
     assert r["engine"]["batches"]["2"]["ar_static"]["tokens"] == 2 * 8
     assert r["bundled"]["same_tokens_static_vs_eager"] == {"ar": 1, "diffusion": 1}
+    assert r["bundled"]["prompts"] == r["bundled"]["prompts_asked"] == 1
     assert len(list(tmp_path.iterdir())) <= 8, "the device tool brings back at most 8 files"
+
+
+def test_common_prefix_and_the_tokenizer_hint(monkeypatch, tmp_path):
+    """The engine section's agreement measure, and a machine with neither '.gpu/tokenizer' nor the bundled model
+    gets the fix named (GPU block 2's call 1 got four raw ModelSourceErrors from the toy fixture)."""
+    import bench.gpu as g
+    from engine.loading import ModelSourceError
+
+    assert g.common_prefix([1, 2, 3], [1, 2, 4]) == 2 and g.common_prefix([5], [6]) == 0
+    assert g.common_prefix([1, 2], [1, 2, 3]) == 2
+    monkeypatch.setattr(g, "GPU_TOKENIZER", tmp_path / ".gpu" / "tokenizer")
+    monkeypatch.setattr("engine.loading.cache_dir", lambda: tmp_path / "cache")
+    monkeypatch.setenv("FASTDLLM_GGUF", str(tmp_path / "missing.gguf"))
+    with pytest.raises(ModelSourceError, match=r"bench gpu --prepare.*carry '\.gpu'"):
+        g.tokenizer_dir()
 
 
 @pytest.mark.parametrize("device", DEVICES)

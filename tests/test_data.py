@@ -132,3 +132,36 @@ def test_load_eval_set_reports_line_number(tmp_path: Path) -> None:
     path = tmp_path / "ok.jsonl"
     path.write_text(good + "\n", encoding="utf-8")
     assert load_eval_set(path)[0]["answers"] == ["x"]
+
+
+def test_load_eval_set_messages_exactly(tmp_path: Path) -> None:
+    """Each refusal says exactly what is wrong (mutation testing left the messages, the id/category rule, the
+    optional answers of prompt-only sets and the duplicate's first line unpinned)."""
+    path = tmp_path / "set.jsonl"
+
+    def refused(record: object, require_answers: bool = True) -> str:
+        path.write_text(json.dumps(record) + "\n", encoding="utf-8")
+        with pytest.raises(ValueError) as info:
+            load_eval_set(path) if require_answers else load_eval_set(path, require_answers=False)  # the default
+        return str(info.value).split("line 1: ", 1)[1]
+
+    assert refused([1]) == "record must be a JSON object"
+    assert refused({"prompt": " "}) == "'prompt' must be a non-empty string"
+    assert refused({"prompt": "Q", "id": 3, "answers": ["x"]}) == "'id' must be a non-empty string when present"
+    assert refused({"prompt": "Q", "id": " ", "answers": ["x"]}) == "'id' must be a non-empty string when present"
+    assert refused({"prompt": "Q", "category": "", "answers": ["x"]}) == \
+        "'category' must be a non-empty string when present"
+    assert refused({"prompt": "Q"}) == "'answers' must be a non-empty list of strings"
+    assert refused({"prompt": "Q", "answers": [" "]}) == "'answers' must contain only non-empty strings"
+    # prompt-only sets (long answers): answers are optional, but checked when present
+    assert refused({"prompt": "Q", "answers": []}, require_answers=False) == \
+        "'answers' must be a non-empty list of strings"
+    path.write_text(json.dumps({"prompt": "Q"}) + "\n", encoding="utf-8")
+    assert load_eval_set(path, require_answers=False) == [{"prompt": "Q"}]
+    lines = [{"id": "a", "prompt": "Q", "answers": ["x"]}, {"id": "b", "prompt": "R", "answers": ["y"]},
+             {"id": "b", "prompt": "S", "answers": ["z"]}]
+    path.write_text("\n".join(json.dumps(r) for r in lines) + "\n", encoding="utf-8")
+    with pytest.raises(ValueError, match=r"line 3: duplicate id 'b' \(first on line 2\)$"):
+        load_eval_set(path)
+    path.write_text(json.dumps({"prompt": "Café?", "answers": ["é"]}, ensure_ascii=False) + "\n", encoding="utf-8")
+    assert load_eval_set(path)[0]["prompt"] == "Café?"  # read as UTF-8 whatever the locale

@@ -124,3 +124,26 @@ def test_link_checker_finds_dead_links() -> None:
             "[out](../../etc/passwd) `[code](missing.md)`\n```\n[fenced](missing2.md)\n```\n")
     found = dead_links(REPO / "docs" / "probe.md", text)  # a file that need not exist: its text is given
     assert [p.split(":")[0] for p in found] == ["nope.md", "design.md#no-such-heading", "../../etc/passwd"]
+
+
+def test_fastdllm_switches_are_read_in_one_place_and_documented() -> None:
+    """engine/env.py names every FASTDLLM_* switch; the code mentions no other; engine/ and the studio read them only
+    through it; docs/engine.md's table lists exactly them (issue 25)."""
+    from engine import env
+
+    py = [p for d in ("engine", "app", "bench", "training", "tests", "scripts") for p in (REPO / d).rglob("*.py")]
+    py += [REPO / "app.py"]
+    mentioned = set()
+    for p in py:
+        text = p.read_text(encoding="utf-8")
+        mentioned |= set(re.findall(r"(?<!-D)\bFASTDLLM_[A-Z0-9_]*[A-Z0-9]", text))
+        if (p.is_relative_to(REPO / "engine") or p.is_relative_to(REPO / "app") or p.name == "app.py") \
+                and p.name != "env.py":
+            assert not re.search(r"(os\.environ\.get|os\.getenv)\(f?[\"']FASTDLLM_", text), p
+    assert mentioned <= set(env.NAMES), sorted(mentioned - set(env.NAMES))
+    doc = (REPO / "docs" / "engine.md").read_text(encoding="utf-8")
+    table = doc[doc.index("## Environment switches"):]
+    table = table[:table.index("\n## ", 5)]
+    assert set(re.findall(r"^\| `(FASTDLLM_[A-Z0-9_]+)` \|", table, re.M)) == set(env.NAMES)
+    with pytest.raises(KeyError, match="not a FASTDLLM switch"):
+        env.get("FASTDLLM_" + "TYPO")  # built, so the scan above does not see a name

@@ -70,3 +70,12 @@ def test_a_numbered_list_that_repeats_its_items_loops():
     distinct = "\n".join(f"{i}. {w}" for i, w in enumerate(
         "apple banana cherry date elderberry fig grape honeydew kiwi lemon mango".split(), 1))
     assert not is_looping(distinct)
+
+
+def test_repeat_share_and_words_exactly():
+    """The reported share is the 4-gram share to 4 decimals (the studio and bench show it), and list numbers that
+    open a line leave no words behind (found by mutation testing: neither was pinned)."""
+    text = "a b c d a b c d e"  # 6 word 4-grams, one ("a b c d") repeated: 1/6
+    assert repeated_ngram_share(text) == pytest.approx(1 / 6)
+    assert judge(text, "stop_token").repeat_share == 0.1667
+    assert words("1. Apples\n2. Pears, and 3 plums") == ["apples", "pears", "and", "3", "plums"]

@@ -18,7 +18,7 @@ from engine.finish import repeated_ngram_share
 from engine.penalties import OFF, NgramIndex, Penalties, apply_scales, ban
 
 KNOB_FIELDS = ("repetition_penalty", "frequency_penalty", "presence_penalty", "no_repeat_ngram_size")
-LOOPS = "Write a haiku about the sea."  # loops at the studio's defaults (issue 21)
+LOOPS = "Give me a simple recipe for pancakes, with ingredients and steps."  # loops at the paper's defaults (2 cups sugar, 2 cups sugar, ...; the step-816 adapter looped on a haiku too, the step-522 one ends it)
 PROMPTS = ["List the days of the week in order.", "Name a colour.", "What is the capital of Italy?"]
 
 
@@ -203,7 +203,7 @@ def test_no_repeat_ngram_3_never_repeats_a_token_trigram(engine, one_thread, mod
 
 
 def test_repetition_penalty_breaks_a_loop(engine, one_thread):
-    """Issue 21's looping prompt at the studio's settings (block 32, sub-block 8, threshold 0.9, dual cache, 128
+    """A prompt the shipped adapter loops on, at the paper's settings (block 32, sub-block 8, threshold 0.9, dual cache, 128
     tokens): repetition_penalty 1.2 lowers the share of repeated word 4-grams."""
     cfg = engine.decode_config(block_size=32, sub_block_size=8, threshold=0.9, cache="dual", max_new_tokens=128)
     plain = engine.generate(LOOPS, cfg, record=False)[0].summary

@@ -240,8 +240,11 @@ def test_one_call_layer_step_matches_the_eager_layers(monkeypatch):
     # (fused and eager alike, in another order: logits up to ~1.1 % of the largest apart over random ids), and the
     # narrow steps inherit the prefill's K/V difference
     # without AVX-512 BF16 the bf16 block step runs a dense bf16 copy through torch instead of q4_bf16: measured
-    # 2.8 % of the largest logit on an Intel Xeon (2 % bound on Zen 4)
-    bf16_block_tol = 2e-2 if cpu_kernels.bf16_ok() else 4e-2
+    # 2.8 % of the largest logit on an Intel Xeon with the step-816 adapter, 4.5 % with block 2's. With block 2's
+    # adapter the dLLM's block step on Zen 4 (q4_bf16) measured 5.45 % (the AR base's 0.94 %, the narrow steps
+    # <= 0.4 %): the adapter's LoRA path amplifies the bf16 rounding over random ids, on either kernel. One bound for
+    # both CPUs; the greedy answers below are the quality check
+    bf16_block_tol = 6e-2
     for switch, tol_narrow, tol_block in ((None, 1e-4, 1e-4), ("16", 5e-3, bf16_block_tol)):
         if switch is None:
             monkeypatch.delenv("FASTDLLM_INT4_WIDE_ROWS", raising=False)

@@ -173,6 +173,10 @@ def test_banner_shows_long_answer_stop_and_loop_rates(engine):
         assert fm["tokens_per_forward_complete"] == pytest.approx(d["long_complete_tokens_per_forward"], abs=5e-4)
         assert fm["long_tokens_per_forward"] == pytest.approx(d["long_tokens_per_forward"], abs=5e-4)
         assert fm["long_complete_n"] == d["long_complete_n"]
+    # the "loops are easy to predict" remark only where all answers decode faster than the complete ones
+    looped = render.long_html(replace(m.long, tokens_per_forward_complete=1.15, tokens_per_forward_all=1.83))
+    clean = render.long_html(replace(m.long, tokens_per_forward_complete=1.06, tokens_per_forward_all=1.06))
+    assert "(1.83 over all: loops are easy" in looped and "(1.06 over all)." in clean and "loops are easy" not in clean
     # without the keys the line is not there (and nothing breaks)
     assert "fd-long" not in render.banner_html(engine.lm, True, "t", replace(m, long=None), 0.9)
     assert long_answers({"long_stop_rate": 0.4}) is None

@@ -225,6 +225,28 @@ def test_new_token_row_appended_or_spare():
     assert torch.equal(spare[0, 1], row[0]) and torch.equal(spare[0, 0], base.weight[0])
 
 
+@pytest.mark.parametrize("rows", [1, 3])
+def test_new_token_rows_get_the_gradient_of_their_positions(rows):
+    """The new rows' gradient is the sum of the upstream gradient over the positions holding their ids (the
+    one-row path broadcasts instead of indexing: same values and gradient, no index_put accumulate)."""
+    from training.lora import ExtendedEmbedding
+
+    torch.manual_seed(0)
+    base = torch.nn.Embedding(10, 4).requires_grad_(False)
+    new = torch.randn(rows, 4)
+    emb = ExtendedEmbedding(base, new, first=10)
+    ids = torch.randint(0, 10 + rows, (3, 7))
+    ids[0, 0] = 10  # at least one new-token position
+    up = torch.randn(3, 7, 4)
+    out = emb(ids)
+    (out * up).sum().backward()
+    for r in range(rows):
+        at = ids == 10 + r
+        torch.testing.assert_close(out[at], new[r].expand(int(at.sum()), 4))
+        torch.testing.assert_close(emb.new.grad[r], up[at].sum(0))
+    torch.testing.assert_close(out[ids < 10], base.weight[ids[ids < 10]])
+
+
 def test_init_from_loads_weights_only(tmp_path):
     exs = examples(8)
     first = Trainer(cfg(tmp_path / "a", max_steps=3), tiny_model(), exs, MASK, PAD)

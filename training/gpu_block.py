@@ -39,19 +39,25 @@ SLIM = "ckpt-slim.pt"
 # device README's wheel install.
 PREFIX = ("python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "
           ".whl/*.whl && export PYTHONPATH=/tmp/site || exit; export PYTHONUNBUFFERED=1; ")
-# Call 1's check: the CUDA tests (toy and random-weight models, no real weights needed), log back in $OUT.
-CHECK_SLOT = ("timeout 200 python3 -m pytest -m cuda tests/test_cuda.py -q -p no:cacheprovider >$OUT/cuda_tests.log 2>&1;"
-              " tail -3 $OUT/cuda_tests.log")
-# Block 2 onwards (block 1's data is committed): new data is generated while phase p3 trains on the committed
-# set from the shipped adapter; p4 then trains on everything from p3. Logs of the side process stay in /tmp.
+# The first call after the base is converted checks CUDA (tests on toy, random-weight and bundled models) and measures
+# the engine (bench gpu: roofline, random-weight 1.5B vs transformers, the bundled model; ~3.5 min) before p4 trains.
+# Block 1 ran the tests first to catch a capture bug before the long calls; block 2's call 1 showed they need a
+# tokenizer, which is there once the base is converted (no '.gpu' to carry beside a GGUF part).
+CHECK_SLOT = ("timeout 120 python3 -m pytest -m cuda tests/test_cuda.py -q -rs -p no:cacheprovider >$OUT/cuda_tests.log 2>&1;"
+              " tail -3 $OUT/cuda_tests.log; timeout 240 python3 -m bench gpu --bundled-seconds 60 --out $OUT/gpu;")
+# Block 2 onwards: new data is generated while phase p3 trains on the committed set from the shipped adapter; p4
+# then trains on everything from p3. Logs of the side process stay in /tmp. Block 2: the generator at batch 512
+# beside the trainer at micro-batch 64 ran out of GPU memory (56.5 GiB trainer peak); batch 256 beside micro-batch 32
+# fit (46 GiB at most) at the same answer tokens/s.
 SEED_DATA = "training/data/selfinstruct"
-DATA_ARGS = (f"--seed-from {SEED_DATA} --seed 1 --magpie 30000 --magpie-batch 1024 --batch-size 512 "
-             "--max-new-tokens 256 --time-budget 400 --threads 6")
-TRAIN_ARGS = "--answers finish --batch-size 64 --max-len 512 --rank 32 --alpha 64 --lr 2e-4 --warmup-steps 20 --save-every-s 120 --threads 6"
+DATA_ARGS = (f"--seed-from {SEED_DATA} --seed 2 --magpie 30000 --magpie-batch 1024 --batch-size 256 "
+             "--max-new-tokens 256 --time-budget 300 --threads 6")
+TRAIN_ARGS = ("--answers finish --batch-size 64 --micro-batch 32 --max-len 512 --rank 32 --alpha 64 --lr 2e-4 "
+              "--warmup-steps 20 --save-every-s 120 --threads 6")
 P3 = (f"python3 -m training gpu train --out $OUT/train --data {SEED_DATA} --run runs/gpu/p3 --minutes 6 -- "
       f"{TRAIN_ARGS} --epochs 2 --init-from assets/fastdllm_adapter.safetensors")
-P4_EPOCHS = 2  # set from call 3's manifest: ~1,400 steps of 64 fit calls 4-5, so epochs ~ 90,000 / examples
-P4_MINUTES = (7, 6)
+P4_EPOCHS = 2  # set from the last weights call's manifest: ~1,000 steps of 64 fit the p4 calls, epochs ~ 64,000 / kept
+P4_MINUTES = (3, 8)
 FINGERPRINT_FILE = Path(__file__).resolve().parent / "data" / "base_fingerprint.json"
 FINGERPRINT_PROMPT = "Name three colors."
 
@@ -138,19 +144,18 @@ def plan(part_names: list[str]) -> list[dict]:
     rel = lambda p: str(p.relative_to(REPO))  # noqa: E731
     calls = []
     for k, name in enumerate(part_names):
-        first, last = k == 0, k == len(part_names) - 1
+        last = k == len(part_names) - 1
         cmd = PREFIX + "python3 -m training gpu weights --out " + ("/tmp/w && cat /tmp/w/weights.json" if last else "$OUT")
-        if first:
-            cmd += f"; {CHECK_SLOT}"
         if last:  # data on the side while p3 trains; weights.json stays out of $OUT (8 files: 3 data + 5 train)
             cmd += (f" && {{ python3 -m training gpu data --out $OUT/data {DATA_ARGS} >/tmp/data.log 2>&1 & {P3}; "
                     "wait; tail -c 1500 /tmp/data.log; }")
         calls.append({"carry": [rel(WHEELS_DIR), rel(PARTS_DIR / "parts.json"), rel(PARTS_DIR / name)],
                       "command": cmd, "timeout_s": 560 if last else 300})
-    for minutes in P4_MINUTES:
-        calls.append({"carry": [rel(WHEELS_DIR)], "timeout_s": 60 * minutes + 120,
-                      "command": PREFIX + f"python3 -m training gpu train --out $OUT --run runs/gpu/p4 --minutes {minutes}"
-                                 f" -- {TRAIN_ARGS} --epochs {P4_EPOCHS} --init-from runs/gpu/p3"})
+    for k, minutes in enumerate(P4_MINUTES):
+        check = CHECK_SLOT + " " if k == 0 else ""  # 3 files back, beside p4's 5
+        calls.append({"carry": [rel(WHEELS_DIR)], "timeout_s": min(600, 60 * minutes + 60 + (360 if check else 0)),
+                      "command": PREFIX + check + f"python3 -m training gpu train --out $OUT/train --run runs/gpu/p4 "
+                                 f"--minutes {minutes} -- {TRAIN_ARGS} --epochs {P4_EPOCHS} --init-from runs/gpu/p3"})
     return calls
 
 

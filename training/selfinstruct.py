@@ -105,7 +105,7 @@ def read_rounds(path: Path) -> list[dict]:
 
 
 def draw_magpie(engine, cfg: SelfInstructConfig, deadline: float) -> dict:
-    """Sample rounds until cfg.magpie samples exist; round r uses seed (seed, r), so reruns are no-ops."""
+    """Sample rounds until cfg.magpie samples exist; round r's seeds follow from (seed, r), so reruns are no-ops."""
     path = cfg.out / "magpie.jsonl"
     rounds = read_rounds(path)
     done = {r["round"] for r in rounds}
@@ -120,7 +120,9 @@ def draw_magpie(engine, cfg: SelfInstructConfig, deadline: float) -> dict:
                 r += 1
                 continue
             n = min(cfg.magpie_batch, cfg.magpie - have)
-            seed = cfg.seed * 1_000_003 + r
+            # row i of the round samples with seed + i (engine: one generator per row), so rounds sit magpie_batch
+            # seeds apart and no two rows of any rounds share a seed
+            seed = (cfg.seed * 1_000_003 + r) * cfg.magpie_batch
             dcfg = engine.decode_config(mode="ar", max_new_tokens=cfg.magpie_max_new_tokens, seed=seed,
                                         temperature=cfg.magpie_temperature, top_p=cfg.magpie_top_p)
             samples = []

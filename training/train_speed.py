@@ -76,16 +76,41 @@ def padding_table(examples: list, mask_id: int, shapes: list[tuple[int, int]], s
 
 
 def profile_step(trainer, top: int = 12) -> list[dict]:
-    """Self time of the costliest operators in one training step (ms), matmuls and attention included."""
+    """Self time of the costliest operators in one training step (ms), matmuls and attention included.
+
+    On CUDA each row also carries the operator's GPU self time (`device_ms`), and the first row is a
+    summary: the step's wall time against the summed GPU kernel time (busy share = host-bound or not)."""
+    import time
+
     from torch.profiler import ProfilerActivity, profile
 
-    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    cuda = torch.cuda.is_available()
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     with profile(activities=acts) as prof:
+        t0 = time.perf_counter()
         trainer.train_step()
+        if cuda:
+            torch.cuda.synchronize()
+        wall_ms = (time.perf_counter() - t0) * 1e3
     ops = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
     total = sum(e.self_cpu_time_total for e in ops)
-    return [{"op": e.key, "self_ms": round(e.self_cpu_time_total / 1e3, 1), "calls": e.count,
-             "share": round(e.self_cpu_time_total / total, 3)} for e in ops[:top]]
+
+    def dev_us(e) -> float:
+        return float(getattr(e, "self_device_time_total", 0.0) or getattr(e, "self_cuda_time_total", 0.0) or 0.0)
+
+    rows = [{"op": e.key, "self_ms": round(e.self_cpu_time_total / 1e3, 1), "calls": e.count,
+             "share": round(e.self_cpu_time_total / total, 3),
+             **({"device_ms": round(dev_us(e) / 1e3, 1)} if cuda else {})} for e in ops[:top]]
+    if cuda:
+        # kernels are their own events (device_type CUDA); summing them counts each GPU microsecond once
+        kernels = [e for e in ops if "CUDA" in str(getattr(e, "device_type", ""))]
+        dev_total = sum(dev_us(e) for e in kernels) / 1e3
+        by_dev = sorted(kernels, key=dev_us, reverse=True)[:top]
+        rows.insert(0, {"op": "(step)", "wall_ms": round(wall_ms, 1), "device_ms": round(dev_total, 1),
+                        "busy_share": round(dev_total / wall_ms, 3) if wall_ms else None,
+                        "calls": sum(e.count for e in ops),
+                        "top_device": [[e.key, round(dev_us(e) / 1e3, 1), e.count] for e in by_dev]})
+    return rows
 
 
 def measure(cfg: ThroughputConfig) -> dict:
