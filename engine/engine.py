@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from .config import ConfigError, DecodeConfig, fit_to_context
-from .decode import Cancel, Decoder
+from .decode import Cancel, decoder_for
 from .events import Event, Listener, Summary, Trace
 from .loading import LoadedModel, load
 from .static import StaticStepper, compile_wanted, static_layer, graphs_wanted, wanted as static_wanted
@@ -112,9 +112,9 @@ class Engine:
 
         model = self.lm.dllm if cfg.mode == "diffusion" else self.lm.base
         with self.lock:
-            dec = Decoder(model, cfg, self.lm.mask_token_id, self.tb,
-                          listener=on_event if (record or listener) else None, cancel=cancel,
-                          stepper=self.stepper(model))
+            dec = decoder_for(model, cfg, self.lm.mask_token_id, self.tb,
+                              listener=on_event if (record or listener) else None, cancel=cancel,
+                              stepper=self.stepper(model))
             summaries = dec.run(ids)
             if self.lm.device.type == "cuda":
                 torch.cuda.synchronize()

@@ -27,7 +27,7 @@ KEY_QUANTUM = 32
 
 # Forwards inside `wide_calls()` take the wide kernels of the 4-bit CPU path (engine/quant.py) at any width. An AR
 # prefill runs in it: a prompt's K/V then come out the same whether it is prefilled whole (one user) or as a shared
-# prefix plus a short suffix (a batch, engine/decode.py), so batched answers stay the single-user ones.
+# prefix plus a short suffix (a batch, engine/decode/), so batched answers stay the single-user ones.
 WIDE_CALLS: ContextVar[bool] = ContextVar("fastdllm_wide_calls", default=False)
 
 

@@ -18,7 +18,7 @@ from typing import Any, Callable
 import torch
 
 from .config import DecodeConfig
-from .decode import Batch, Decoder, Row
+from .decode import Batch, Decoder, Row, decoder_for
 from .penalties import Penalties
 from .engine import Engine, Result
 from .events import Event, Listener, Summary, Trace
@@ -178,8 +178,8 @@ class Scheduler:
                 by_key.setdefault(batch_key(t.cfg), []).append(t)
         for key, ts in by_key.items():
             g = self.groups.get(key)
-            dec = g.decoder if g else Decoder(self._model(ts[0].cfg.mode), ts[0].cfg, self.engine.lm.mask_token_id,
-                                              self.engine.tb)
+            dec = g.decoder if g else decoder_for(self._model(ts[0].cfg.mode), ts[0].cfg, self.engine.lm.mask_token_id,
+                                                  self.engine.tb)
             try:
                 rows = dec.new_rows([t.ids for t in ts], indices=[0] * len(ts), max_new=[t.cfg.max_new_tokens for t in ts],
                                     listeners=[t.on_event for t in ts], cancels=[t.stop for t in ts],

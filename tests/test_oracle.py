@@ -17,7 +17,7 @@ from hypothesis import given, settings, strategies as st
 
 import oracle
 from engine.config import DecodeConfig, ModelConfig
-from engine.decode import Decoder
+from engine.decode import decoder_for
 from engine.model import CausalLM
 from engine.sampling import select_commits
 from engine.text import TokenBytes
@@ -69,7 +69,7 @@ def tiny_case(seed: int) -> tuple[list[list[int]], int]:
 def engine_run(model, prompts, cfg: DecodeConfig, mask_id: int, tb: TokenBytes, stepper=None):
     """The engine's decoder on a batch: summaries and, per row, (event kind, [(answer pos, token)]) per forward."""
     events: dict[int, list] = {}
-    dec = Decoder(model, cfg, mask_id, tb, listener=lambda e: events.setdefault(e.row, []).append(e), stepper=stepper)
+    dec = decoder_for(model, cfg, mask_id, tb, listener=lambda e: events.setdefault(e.row, []).append(e), stepper=stepper)
     summaries = dec.run(prompts)
     steps = [[(e.kind, [(t.pos, t.id) for t in e.committed]) for e in events[i] if e.kind != "done"]
              for i in range(len(prompts))]

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from engine.config import ConfigError, DecodeConfig
-from engine.decode import Decoder
+from engine.decode import decoder_for
 from engine.finish import repeated_ngram_share
 from engine.penalties import OFF, NgramIndex, Penalties, apply_scales, ban
 
@@ -144,11 +144,11 @@ def test_defaults_off_and_round_trip(engine):
 
 
 # ------------------------------------------------------------------ the engine
-class Before(Decoder):
+def decoder_before_knobs(model, cfg, mask_id, tb):
     """The decoder as it was before the knobs: logits go straight to sampling."""
-
-    def _penalised(self, rows, logits, targets):
-        return logits
+    dec = decoder_for(model, cfg, mask_id, tb)
+    dec._penalised = lambda rows, logits, targets: logits
+    return dec
 
 
 def test_defaults_are_token_identical_to_before(engine, one_thread):
@@ -159,8 +159,8 @@ def test_defaults_are_token_identical_to_before(engine, one_thread):
         model = engine.lm.dllm if mode == "diffusion" else engine.lm.base
         ids = [chat_ids(engine, p) for p in PROMPTS[:2]]
         now = [r.summary.token_ids for r in engine.generate_ids(ids, cfg, record=False)]
-        before = [s.token_ids for s in Before(model, cfg, engine.lm.mask_token_id, engine.tb).run(ids)]
-        inert = Decoder(model, cfg, engine.lm.mask_token_id, engine.tb).run(ids, [Penalties(no_repeat_ngram=64)] * 2)
+        before = [s.token_ids for s in decoder_before_knobs(model, cfg, engine.lm.mask_token_id, engine.tb).run(ids)]
+        inert = decoder_for(model, cfg, engine.lm.mask_token_id, engine.tb).run(ids, [Penalties(no_repeat_ngram=64)] * 2)
         assert now == before == [s.token_ids for s in inert], mode
 
 
@@ -221,7 +221,7 @@ def test_batch_rows_with_different_knobs_equal_single_rows(engine, one_thread, m
     model = engine.lm.dllm if mode == "diffusion" else engine.lm.base
     ids = [chat_ids(engine, p) for p in PROMPTS]
     pens = [Penalties(repetition=1.3), OFF, Penalties(frequency=0.7, presence=0.5, no_repeat_ngram=2)]
-    dec = lambda: Decoder(model, cfg, engine.lm.mask_token_id, engine.tb)  # noqa: E731
+    dec = lambda: decoder_for(model, cfg, engine.lm.mask_token_id, engine.tb)  # noqa: E731
     batch = [s.token_ids for s in dec().run(ids, pens)]
     single = [dec().run([i], [p])[0].token_ids for i, p in zip(ids, pens)]
     assert batch == single

@@ -1,0 +1,19 @@
+"""Decoding a batch of prompts: the AR baseline (ar.py) and Fast-dLLM v2 block diffusion (diffusion.py), over the
+bookkeeping they share (base.py). `decoder_for` picks the decoder of a DecodeConfig's mode."""
+from __future__ import annotations
+
+from typing import Any
+
+from ..config import DecodeConfig
+from ..model import CausalLM
+from ..text import TokenBytes
+from .ar import SHARED_PREFIX_MIN, ARDecoder
+from .base import Batch, Cancel, Decoder, Row
+from .diffusion import DiffusionDecoder
+
+__all__ = ["ARDecoder", "Batch", "Cancel", "Decoder", "DiffusionDecoder", "Row", "SHARED_PREFIX_MIN", "decoder_for"]
+
+
+def decoder_for(model: CausalLM, cfg: DecodeConfig, mask_id: int | None, tb: TokenBytes, **kw: Any) -> Decoder:
+    """The decoder of cfg.mode ('ar' or 'diffusion') for one batch; kw: listener, cancel, stepper."""
+    return (DiffusionDecoder if cfg.mode == "diffusion" else ARDecoder)(model, cfg, mask_id, tb, **kw)

@@ -1,0 +1,331 @@
+"""What the two decoders share: rows and the batch, sampling, the repetition knobs, commits, events, retirement.
+
+A Decoder decodes one batch of prompts, one Event per forward and row, then a 'done' Event per row. run() decodes to
+the end; prefill / step / merge / drop_cancelled go one forward at a time, so a scheduler can add rows between
+forwards and drop one row alone. What a forward is differs by mode: ar.py (the baseline, one token a forward) and
+diffusion.py (Fast-dLLM v2's block diffusion) each implement `_prefill_rows` and `_step_rows`.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+from torch import Tensor
+
+from ..config import DecodeConfig
+from ..events import Event, Listener, Summary, Token
+from ..model import CausalLM, KVCache
+from ..penalties import NgramIndex, Penalties, apply_scales, ban
+from ..sampling import sample
+from ..static import StaticStepper
+from ..text import IncrementalDetokenizer, TokenBytes
+
+
+class Cancel(Protocol):
+    def is_set(self) -> bool: ...
+
+
+@dataclass
+class Row:
+    """Host-side state of one sequence of the batch."""
+
+    index: int  # row index in the caller's batch (stable while rows leave)
+    prompt_len: int
+    limit: int  # absolute end of allowed answer positions: prompt_len + max_new_tokens
+    detok: IncrementalDetokenizer
+    answer: list[int | None] = field(default_factory=list)  # answer-relative; None = still masked
+    block_start: int = 0
+    refreshed_sub: int = -1  # dual cache: sub-block whose block K/V were last refreshed
+    stop_at: int | None = None  # absolute position of the earliest committed stop token
+    emitted: int = 0  # contiguous answer tokens already given to the detokenizer
+    emitted_ar: int = 0  # AR: answer tokens produced so far
+    nfe: int = 0
+    first_token_t: float | None = None
+    done: str = ""  # stop reason once finished
+    summary: Summary | None = None  # set when the row leaves the batch
+    t0: float = 0.0  # perf_counter when this row's decode started (its events' clock)
+    listener: Listener | None = None  # this row's own listener (a scheduler's request), else the Decoder's
+    cancel: Cancel | None = None  # this row's own stop flag: only this row leaves the batch
+    prompt: list[int] = field(default_factory=list)  # the prompt's ids (repetition penalty context)
+    pen: Penalties = field(default_factory=Penalties)  # this row's repetition knobs (rows of a batch may differ)
+    ngrams: NgramIndex | None = None  # no_repeat_ngram_size > 0: the n-grams of prompt + committed answer
+    gen: torch.Generator | None = None  # sampling (temperature > 0): this row's own random stream, from its seed
+
+    def known(self, q: int) -> bool:
+        return q < self.prompt_len or self.answer[q - self.prompt_len] is not None
+
+
+@dataclass
+class Batch:
+    """Rows decoding together: row b of seq and of the cache belongs to rows[b]."""
+
+    rows: list[Row]
+    seq: Tensor  # [B, max_len] prompt + answer tokens (masks where undecided)
+    cache: KVCache | None
+
+
+class Decoder:
+    """The bookkeeping of one batch; a mode's subclass says what each forward is (see the module docstring)."""
+
+    block = 1  # sequence room is rounded up to this, plus one of it past the last answer position
+
+    def __init__(self, model: CausalLM, cfg: DecodeConfig, mask_id: int | None, tb: TokenBytes,
+                 listener: Listener | None = None, cancel: Cancel | None = None,
+                 stepper: StaticStepper | None = None):
+        self.model, self.cfg, self.mask_id, self.tb = model, cfg, mask_id, tb
+        self.listener, self.cancel = listener, cancel
+        self.stepper = stepper  # static-shape (CUDA graph) decode steps; None = CausalLM.forward
+        self.stop_ids = set(cfg.stop_token_ids)
+        self.device = next(model.parameters()).device
+
+    # ---------------------------------------------------------------- shared helpers
+    @staticmethod
+    def _now(row: Row) -> float:
+        return time.perf_counter() - row.t0
+
+    def _sample(self, logits: Tensor, rows: list[Row], counts: list[int] | None = None) -> tuple[Tensor, Tensor]:
+        """logits [B, n, V] (or [B, V]), row b of them rows[b]'s; its first counts[b] of n are commit candidates
+        (default all), the rest display-only or padding. Sampling draws from each row's own generator, so a seeded
+        row gives the same tokens whatever it is batched with (one shared generator made two identical seeded
+        requests that ran together differ: issue 24)."""
+        if self.mask_id is not None and self.mask_id < logits.shape[-1]:
+            logits[..., self.mask_id] = float("-inf")  # the mask token is never an answer token
+        if self.cfg.temperature <= 0:
+            return sample(logits, 0.0, 1.0, None)
+        if logits.dim() == 2:  # AR: one position per row
+            tok, conf = self._sample(logits[:, None], rows, counts)
+            return tok[:, 0], conf[:, 0]
+        tok = torch.zeros(logits.shape[:-1], dtype=torch.long, device=logits.device)
+        conf = torch.zeros(logits.shape[:-1], dtype=torch.float32, device=logits.device)
+        for b, r in enumerate(rows):
+            # only the row's own candidates draw: padding up to the batch's widest row would use up random
+            # numbers, and the row's next step would draw from another point of its stream than alone
+            k = logits.shape[1] if counts is None else counts[b]
+            if k:
+                tok[b, :k], conf[b, :k] = sample(logits[b, :k], self.cfg.temperature, self.cfg.top_p, r.gen)
+            if k < logits.shape[1]:  # the heatmap's extra positions (and padding): shown, never committed, no draw
+                tok[b, k:], conf[b, k:] = sample(logits[b, k:] / self.cfg.temperature, 0.0, 1.0, None)
+        return tok, conf
+
+    def _generator(self, seed: int | None) -> torch.Generator | None:
+        if self.cfg.temperature <= 0:
+            return None  # greedy never draws
+        gen = torch.Generator(device=self.device)
+        if seed is None:
+            gen.seed()
+        else:
+            gen.manual_seed(seed)
+        return gen
+
+    def _penalised(self, rows: list[Row], logits: Tensor, targets: list[list[int]]) -> Tensor:
+        """Repetition knobs (engine/penalties.py) on logits [B, N, V] whose [b, j] scores position targets[b][j]:
+        every candidate of a step, before confidence and sampling, so they steer what the unmasking rule commits.
+        Rows with the knobs off (the default) are untouched; a batch without any is returned as it is. This runs on
+        the logits whatever produced them, CausalLM.forward or the static stepper (CUDA graphs), so both honour the
+        knobs with no separate path."""
+        on = [b for b, r in enumerate(rows) if r.pen.active]
+        if not on:
+            return logits
+        x = logits.float()
+        logits = x.clone() if x is logits else x  # never write into the caller's tensor (a CUDA graph's output)
+        scaled = [b for b in on if rows[b].pen.scales]
+        if scaled:
+            idx = torch.tensor(scaled, device=logits.device)
+            ctx = [self._answer_so_far(rows[b]) for b in scaled]
+            logits[idx] = apply_scales(logits[idx], [rows[b].prompt for b in scaled], ctx,
+                                       [rows[b].pen for b in scaled])
+        bans = [(b, j, rows[b].ngrams.banned(q)) for b in on if rows[b].ngrams is not None
+                for j, q in enumerate(targets[b])]
+        return ban(logits, bans)
+
+    @staticmethod
+    def _answer_so_far(row: Row) -> list[int]:
+        """Committed answer tokens, in any order (masked gaps skipped), through the earliest stop token."""
+        end = len(row.answer) if row.stop_at is None else row.stop_at - row.prompt_len + 1
+        return [t for t in row.answer[:end] if t is not None]
+
+    def _new_cache(self, batch: int, max_len: int) -> KVCache:
+        if self.stepper is not None:
+            return self.stepper.new_cache(batch, max_len)
+        return KVCache(self.model.cfg, batch, max_len, self.device, self._dtype())
+
+    def _step(self, ids: Tensor, pos: Tensor, cache: KVCache, *, start: int | None, ends: list[int],
+              mask: Tensor | None, logits_idx: Tensor, width: int) -> Tensor:
+        """A cached decode forward of a fixed-width kind (AR 1, dual sub-block + 1, block): keys < ends[row]
+        are visible. Through the static stepper when there is one, else CausalLM.forward."""
+        if self.stepper is not None:
+            return self.stepper.step(ids, pos, cache, ends, logits_idx, width)
+        return self.model(ids, pos, cache, start=start, kv_len=max(ends), mask=mask, logits_idx=logits_idx)
+
+    @staticmethod
+    def _to_host(tok: Tensor, conf: Tensor) -> tuple[list, list]:
+        """Tokens and confidences in one device->host copy (with the static stepper, the step's only sync)."""
+        both = torch.stack((tok.to(torch.float64), conf.to(torch.float64))).cpu()
+        return both[0].long().tolist(), both[1].tolist()
+
+    def _write_tokens(self, seq: Tensor, writes: list[tuple[int, int, int]]) -> None:
+        """A step's committed (row, position, token) into the device sequence in one copy, not one per token."""
+        if writes:
+            n, width = len(writes), seq.shape[1]
+            both = torch.tensor([b * width + q for b, q, _ in writes] + [t for _, _, t in writes], device=seq.device)
+            seq.view(-1).scatter_(0, both[:n], both[n:])
+
+    def _commit(self, row: Row, q: int, tok: int, conf: float, out: list[Token]) -> None:
+        row.answer[q - row.prompt_len] = tok
+        if row.ngrams is not None:
+            row.ngrams.add(q, tok)
+        out.append(Token(q - row.prompt_len, tok, self.tb.piece(tok), conf))
+        if tok in self.stop_ids and (row.stop_at is None or q < row.stop_at):
+            row.stop_at = q
+        if q == row.prompt_len:  # TTFT: the first answer token, the one streaming text can start with
+            row.first_token_t = self._now(row)
+
+    def _advance_text(self, row: Row) -> str:
+        delta = []
+        end = len(row.answer) if row.stop_at is None else row.stop_at - row.prompt_len + 1
+        while row.emitted < end and row.answer[row.emitted] is not None:
+            delta.append(row.detok.push(row.answer[row.emitted]))
+            row.emitted += 1
+        return "".join(delta)
+
+    def _emit(self, kind: str, row: Row, sub: int, committed: list[Token], masked: list[Token]) -> None:
+        delta = self._advance_text(row)
+        listener = row.listener or self.listener
+        if listener is not None:
+            listener(Event(kind, row.index, row.nfe, row.block_start // self.cfg.block_size, sub,
+                           committed, masked, delta, self._now(row)))
+
+    def _summary(self, row: Row) -> Summary:
+        """Answer = the contiguous committed prefix, through the stop token when there is one."""
+        end = len(row.answer) if row.stop_at is None else row.stop_at - row.prompt_len + 1
+        ids: list[int] = []
+        for t in row.answer[:end]:
+            if t is None:
+                break
+            ids.append(t)
+        row.detok.flush()
+        n, secs = len(ids), self._now(row)
+        return Summary(answer_tokens=n, nfe=row.nfe, tokens_per_forward=n / max(row.nfe, 1), seconds=secs,
+                       tokens_per_second=n / secs if secs > 0 else 0.0,
+                       ttft=row.first_token_t if row.first_token_t is not None else secs,
+                       stop_reason=row.done, text=row.detok.text, token_ids=ids)
+
+    def _finish(self, row: Row, reason: str) -> None:
+        row.done = reason
+        self._emit("done", row, -1, [], [])
+
+    def _dtype(self) -> torch.dtype:
+        return next(self.model.parameters()).dtype
+
+    def _listening(self, r: Row) -> bool:
+        return r.listener is not None or self.listener is not None
+
+    # ---------------------------------------------------------------- what a mode implements
+    def _fill_id(self) -> int:
+        """The token every undecided position of the sequence holds."""
+        return 0
+
+    def _wants_cache(self) -> bool:
+        return True
+
+    def _prefill_rows(self, batch: Batch, prompts: list[list[int]]) -> None:
+        """The first forward of new rows; it also commits their first tokens."""
+        raise NotImplementedError
+
+    def _step_rows(self, batch: Batch) -> None:
+        """One forward for every live row of the batch, and its commits."""
+        raise NotImplementedError
+
+    # ---------------------------------------------------------------- public entry
+    def run(self, prompts: list[list[int]], penalties: list[Penalties] | None = None) -> list[Summary]:
+        """Decode a whole batch to the end (what Engine.generate_ids does); penalties: per-row repetition knobs
+        (default: the DecodeConfig's for every row)."""
+        rows = self.new_rows(prompts, penalties=penalties)
+        with torch.inference_mode():
+            batch = self.prefill(prompts, rows)
+            while batch.rows and not self._cancelled(batch.rows):
+                batch = self.step(batch)
+            self._retire(batch)
+        return [r.summary for r in rows]  # type: ignore[misc]  # rows are in caller order
+
+    def new_rows(self, prompts: list[list[int]], *, indices: list[int] | None = None,
+                 max_new: list[int] | None = None, listeners: list[Listener | None] | None = None,
+                 cancels: list[Cancel | None] | None = None,
+                 penalties: list[Penalties] | None = None, seeds: list[int | None] | None = None) -> list[Row]:
+        """Fresh rows for prompts; a scheduler gives each its own index (event.row), answer cap, listener, stop
+        flag, repetition knobs and sampling seed (the rest of the DecodeConfig is the batch's). Without seeds, row i
+        is seeded with the DecodeConfig's seed + i. A row's samples do not depend on what it is batched with."""
+        t0, skip = time.perf_counter(), self.stop_ids | self.tb.special
+        caps = max_new or [self.cfg.max_new_tokens] * len(prompts)
+        pens = penalties or [Penalties.of(self.cfg)] * len(prompts)
+        if seeds is None:  # row i of a batch under one seed s samples as a request seeded s + i would alone (as n > 1
+            # does on the server): distinct rows (Magpie draws many samples of one prompt) that each reproduce
+            seeds = [None if self.cfg.seed is None else (self.cfg.seed + i) % 2**63 for i in range(len(prompts))]
+        return [Row(indices[i] if indices else i, len(p), len(p) + caps[i], IncrementalDetokenizer(self.tb, skip),
+                    [None] * caps[i], t0=t0, listener=listeners[i] if listeners else None,
+                    cancel=cancels[i] if cancels else None, prompt=list(p), pen=pens[i],
+                    ngrams=NgramIndex(pens[i].no_repeat_ngram, p, len(p) + caps[i]) if pens[i].no_repeat_ngram else None,
+                    gen=self._generator(seeds[i]))
+                for i, p in enumerate(prompts)]
+
+    def _max_len(self, rows: list[Row]) -> int:
+        """Sequence room: every answer position plus one block for the window past the last one."""
+        bs = self.block
+        return -(-max(r.limit for r in rows) // bs) * bs + bs
+
+    def prefill(self, prompts: list[list[int]], rows: list[Row]) -> Batch:
+        """The first forward of new rows (it also commits their first tokens); call under inference_mode."""
+        max_len = self._max_len(rows)
+        seq = torch.full((len(rows), max_len), self._fill_id(), dtype=torch.long, device=self.device)
+        for b, p in enumerate(prompts):
+            seq[b, :len(p)] = torch.tensor(p, dtype=torch.long, device=self.device)
+        batch = Batch(rows, seq, self._new_cache(len(rows), max_len) if self._wants_cache() else None)
+        self._prefill_rows(batch, prompts)
+        return self._retire(batch)
+
+    def step(self, batch: Batch) -> Batch:
+        """One forward for every live row; finished rows leave. Call under inference_mode."""
+        self._step_rows(batch)
+        return self._retire(batch)
+
+    def drop_cancelled(self, batch: Batch) -> Batch:
+        """Rows whose own stop flag is set end as 'cancelled' and leave; the others are untouched."""
+        for r in batch.rows:
+            if r.cancel is not None and r.cancel.is_set() and not r.done:
+                self._finish(r, "cancelled")
+        return self._retire(batch)
+
+    def merge(self, a: Batch, b: Batch) -> Batch:
+        """Rows b join batch a (admission between forwards): seq and cache padded to the longer room."""
+        if self.stepper is not None:
+            raise ValueError("merge: the static stepper's cache has a fixed shape; a scheduler decodes without it")
+        if not a.rows or not b.rows:
+            return a if a.rows else b
+        n = max(a.seq.shape[1], b.seq.shape[1])
+        pad = lambda t: torch.nn.functional.pad(t, (0, n - t.shape[1]), value=self._fill_id())  # noqa: E731
+        cache = a.cache.merged(b.cache) if a.cache is not None and b.cache is not None else None
+        return Batch(a.rows + b.rows, torch.cat([pad(a.seq), pad(b.seq)]), cache)
+
+    def _retire(self, batch: Batch) -> Batch:
+        """Finished rows leave the batch (their summary is kept)."""
+        live = batch.rows
+        keep = [i for i, r in enumerate(live) if not r.done]
+        for r in live:
+            if r.done and r.summary is None:
+                r.summary = self._summary(r)
+        if len(keep) == len(live):
+            return batch
+        idx = torch.tensor(keep, dtype=torch.long, device=self.device)
+        if batch.cache is not None and keep:
+            batch.cache.keep_rows(idx)
+        return Batch([live[i] for i in keep], batch.seq.index_select(0, idx) if keep else batch.seq[:0], batch.cache)
+
+    def _cancelled(self, live: list[Row]) -> bool:
+        if self.cancel is not None and self.cancel.is_set():
+            for r in live:
+                self._finish(r, "cancelled")
+            return True
+        return False
+

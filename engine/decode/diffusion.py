@@ -1,0 +1,209 @@
+"""Fast-dLLM v2 block diffusion over one batch.
+
+Block grid from absolute position 0; token shift (position q is read from the logits at q - 1);
+sub-blocks decoded left to right with confidence-thresholded parallel commits; after a block has no
+masks, one commit forward writes its clean K/V and yields the next block's first token.
+Cache modes: none (recompute the prefix), block (cached committed blocks), dual (also reuse the
+active block's K/V: a refresh forward at each new sub-block, then forwards of the sub-block only).
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ..events import Token
+from ..model import block_causal_mask
+from ..sampling import select_commits
+from .base import Batch, Decoder, Row
+
+
+class DiffusionDecoder(Decoder):
+    """Block diffusion with the confidence threshold (or factor rule) inside sub-blocks; cache none, block or dual."""
+
+    @property
+    def block(self) -> int:  # type: ignore[override]
+        return self.cfg.block_size
+
+    def _fill_id(self) -> int:
+        return self.mask_id if self.mask_id is not None else 0
+
+    def _wants_cache(self) -> bool:
+        return self.cfg.cache != "none"
+
+    def _prefill_rows(self, batch: Batch, prompts: list[list[int]]) -> None:
+        self._prefill_diffusion(batch)
+
+    def prefill(self, prompts: list[list[int]], rows: list[Row]) -> Batch:
+        if self.mask_id is None:
+            raise ValueError("mode: this model has no mask token |<MASK>|, so it cannot decode by "
+                             "block diffusion; use mode 'ar'")
+        return super().prefill(prompts, rows)
+
+    def _step_rows(self, batch: Batch) -> None:
+        self._step_diffusion(batch)
+
+    def _prefill_diffusion(self, batch: Batch) -> None:
+        # Prefill: whole prompt blocks, plus the partial block (prompt tail + masks) when there is one, which
+        # makes the prefill also the first decoding step of that block.
+        rows, bs = batch.rows, self.cfg.block_size
+        for r in rows:
+            r.block_start = r.prompt_len // bs * bs
+        ends = [r.block_start + (bs if r.prompt_len % bs else 0) for r in rows]
+        width = max(ends)
+        pos = torch.arange(width, device=self.device)[None].expand(len(rows), -1)
+        valid = torch.tensor(ends, device=self.device)
+        mask = block_causal_mask(pos, width, bs, valid)
+        targets = [self._targets(r, 0, e, full=True) for r, e in zip(rows, ends)]
+        logits = self.model(batch.seq[:, :width], pos, batch.cache, start=0, kv_len=width, mask=mask,
+                            logits_idx=self._idx(targets, [0] * len(rows)))
+        # an aligned prompt's prefill covers whole prompt blocks only: the new block's K/V are not there yet
+        self._after_forward("prefill", rows, batch.seq, targets, logits, [r.prompt_len % bs != 0 for r in rows])
+
+    def _step_diffusion(self, batch: Batch) -> None:
+        cfg, bs, live, seq, cache = self.cfg, self.cfg.block_size, batch.rows, batch.seq, batch.cache
+        plan = [self._plan(r) for r in live]  # (kind, window start, window end)
+        full = any(k != "sub" for k, _, _ in plan)
+        if cfg.cache == "none":
+            ends = [r.block_start + bs for r in live]
+            width = max(ends)
+            starts = [0] * len(live)
+            pos = torch.arange(width, device=self.device)[None].expand(len(live), -1)
+            mask = block_causal_mask(pos, width, bs, torch.tensor(ends, device=self.device))
+            ids, start, kv_len = seq[:, :width], 0, None
+        else:
+            width = bs if full else max(e - s for _, s, e in plan)
+            starts = [r.block_start if full else min(s, r.block_start + bs - width) for r, (_, s, _) in zip(live, plan)]
+            st = torch.tensor(starts, device=self.device)
+            pos = st[:, None] + torch.arange(width, device=self.device)[None]
+            ends = [r.block_start + bs for r in live]
+            ends_t = torch.tensor(ends, device=self.device)
+            kv_len = max(ends)
+            same = all(s == starts[0] for s in starts)
+            mask = None if same else (torch.arange(kv_len, device=self.device)[None, None, None] < ends_t[:, None, None, None])
+            ids, start = seq.gather(1, pos), (starts[0] if same else None)
+        targets = []
+        for r, (kind, s, e), a in zip(live, plan, starts):
+            if kind == "commit":
+                targets.append([r.block_start + bs]) if r.block_start + bs < r.limit else targets.append([])
+            else:
+                targets.append(self._targets(r, a, a + width, full=full or cfg.cache == "none"))
+        idx = self._idx(targets, starts)
+        if cache is None:
+            logits = self.model(ids, pos, cache, start=start, kv_len=kv_len, mask=mask, logits_idx=idx)
+        else:
+            logits = self._step(ids, pos, cache, start=start, ends=ends, mask=mask, logits_idx=idx,
+                                width=bs if full else cfg.sub_block_size + 1)
+        kinds = [k for k, _, _ in plan]
+        self._after_forward(kinds, live, seq, targets, logits, [full or cfg.cache == "none"] * len(live))
+
+    def _masked(self, r: Row, lo: int, hi: int) -> list[int]:
+        """Still-masked answer positions in [lo, hi), never past an earlier committed stop token."""
+        hi = min(hi, r.limit, r.stop_at if r.stop_at is not None else hi)
+        return [q for q in range(max(lo, r.prompt_len), hi) if r.answer[q - r.prompt_len] is None]
+
+    def _active_sub(self, r: Row) -> int:
+        sbs = self.cfg.sub_block_size
+        first = self._masked(r, r.block_start, r.block_start + self.cfg.block_size)[0]
+        return (first - r.block_start) // sbs
+
+    def _plan(self, r: Row) -> tuple[str, int, int]:
+        """What this row's next forward is: 'commit', a whole-block 'block' step, or a dual 'sub' step."""
+        bs, sbs = self.cfg.block_size, self.cfg.sub_block_size
+        if not self._masked(r, r.block_start, r.block_start + bs):
+            return "commit", r.block_start, r.block_start + bs
+        k = self._active_sub(r)
+        if self.cfg.cache != "dual" or r.refreshed_sub != k:
+            return "block", r.block_start, r.block_start + bs
+        lo = r.block_start + k * sbs
+        return "sub", max(lo - 1, r.block_start), lo + sbs  # lo - 1: the logits that predict position lo
+
+    def _draws(self, r: Row, kind: str, targets: list[int]) -> int:
+        """How many of a row's targets are commit candidates (sampled from the row's generator): all but the
+        heatmap's extra positions past the active sub-block, which only a listener asks for and which must not
+        use up the row's random numbers (else watching a sampled decode would change it)."""
+        if kind == "commit" or not targets:
+            return len(targets)
+        end = r.block_start + (self._active_sub(r) + 1) * self.cfg.sub_block_size
+        return sum(q < end for q in targets)
+
+    def _targets(self, r: Row, a: int, b: int, full: bool) -> list[int]:
+        """Masked positions q to read logits for (at q - 1, inside the window [a, b))."""
+        bs, sbs = self.cfg.block_size, self.cfg.sub_block_size
+        if not self._masked(r, r.block_start, r.block_start + bs):
+            return []
+        lo = r.block_start + self._active_sub(r) * sbs
+        sub = self._masked(r, lo, lo + sbs)
+        extra = []
+        if self._listening(r) and full:  # the heatmap wants every masked position of the block
+            extra = [q for q in self._masked(r, r.block_start, r.block_start + bs) if q >= lo + sbs]
+        return [q for q in sub + extra if a <= q - 1 < b]
+
+    def _idx(self, targets: list[list[int]], starts: list[int]) -> Tensor:
+        n = max(1, max(len(t) for t in targets))
+        rows = [[q - 1 - a for q in t] + [0] * (n - len(t)) for t, a in zip(targets, starts)]
+        return torch.tensor(rows, dtype=torch.long, device=self.device)
+
+    def _after_forward(self, kinds, rows: list[Row], seq: Tensor, targets: list[list[int]], logits: Tensor,
+                       refreshed: list[bool]) -> None:
+        cfg, bs, sbs = self.cfg, self.cfg.block_size, self.cfg.sub_block_size
+        kinds = [kinds] * len(rows) if isinstance(kinds, str) else kinds
+        tok, conf = self._sample(self._penalised(rows, logits, targets), rows,
+                                 [self._draws(r, k, t) for r, k, t in zip(rows, kinds, targets)])
+        tok_l, conf_l = self._to_host(tok, conf)
+        writes: list[tuple[int, int, int]] = []
+        for b, (r, kind, tq) in enumerate(zip(rows, kinds, targets)):
+            r.nfe += 1
+            committed: list[Token] = []
+            if kind == "commit":
+                if tq:  # the clean block's last logit gives the next block's first token
+                    self._commit(r, tq[0], tok_l[b][0], conf_l[b][0], committed)
+                    writes.append((b, tq[0], tok_l[b][0]))
+                r.block_start += bs
+                r.refreshed_sub = -1
+                self._emit("commit", r, -1, committed, [])
+            else:
+                k = self._active_sub(r)
+                if refreshed[b]:
+                    r.refreshed_sub = k
+                lo = r.block_start + k * sbs
+                n_sub = sum(1 for q in tq if q < lo + sbs)
+                n_cand = n_sub
+                if cfg.stop_guard:  # candidates end at the first predicted stop: what lies past it would be cut
+                    n_cand = next((j + 1 for j in range(n_sub) if tok_l[b][j] in self.stop_ids), n_sub)
+                c = torch.tensor(conf_l[b][:n_cand])
+                chosen = select_commits(c, cfg.strategy, cfg.threshold, cfg.factor).tolist() + [False] * (n_sub - n_cand)
+                if r.ngrams is not None:
+                    chosen = self._no_new_repeats(r, tq[:n_sub], tok_l[b], conf_l[b], chosen)
+                masked: list[Token] = []
+                for j, q in enumerate(tq):
+                    if j < n_sub and chosen[j]:
+                        self._commit(r, q, tok_l[b][j], conf_l[b][j], committed)
+                        writes.append((b, q, tok_l[b][j]))
+                    elif self._listening(r):
+                        t = tok_l[b][j]
+                        masked.append(Token(q - r.prompt_len, t, self.tb.piece(t), conf_l[b][j]))
+                self._emit("prefill" if kind == "prefill" else "step", r, k, committed, masked)
+            self._check_done(r)
+        self._write_tokens(seq, writes)
+
+    @staticmethod
+    def _no_new_repeats(r: Row, qs: list[int], toks: list[int], confs: list[float], chosen: list[bool]) -> list[bool]:
+        """no_repeat_ngram_size: the step's commits, most confident first; one that would form a repeated n-gram
+        with those already accepted stays masked (the logits bans cover each position alone, not two at once).
+        The most confident is always accepted: its bans were computed on this step's known tokens, so it is
+        safe, and every step still commits at least one token."""
+        assert r.ngrams is not None
+        keep = [False] * len(chosen)
+        for n, j in enumerate(sorted((j for j, c in enumerate(chosen) if c), key=lambda j: -confs[j])):
+            if n == 0 or not r.ngrams.creates_repeat(qs[j], toks[j]):
+                keep[j] = True
+                r.ngrams.add(qs[j], toks[j])
+        return keep
+
+    def _check_done(self, r: Row) -> None:
+        if r.done:
+            return
+        if r.stop_at is not None and not self._masked(r, r.prompt_len, r.stop_at):
+            self._finish(r, "stop_token")
+        elif all(t is not None for t in r.answer):
+            self._finish(r, "max_new_tokens")
