@@ -22,7 +22,7 @@ FILES[model]="engine/model.py";        SOURCES[model]="engine/"
 TESTS[model]="tests/test_oracle.py::test_engine_equals_oracle_on_random_models tests/test_oracle.py::test_ar_equals_oracle_ar_on_random_models tests/test_engine.py::test_forward_matches_transformers_tiny_qwen2 tests/test_engine.py::test_block_causal_mask_rule tests/test_engine.py::test_cpu_decode_layout_computes_the_same_forward"
 FILES[quant]="engine/quant.py";        SOURCES[quant]="engine/"
 TESTS[quant]="tests/test_quant.py::test_q4_1_blocks_dequantise_to_the_converted_checkpoint tests/test_quant.py::test_q8_lm_head_both_backends tests/test_quant.py::test_int4_linear_int4_and_dense_paths_and_lora"
-FILES[serve]="engine/serve.py";        SOURCES[serve]="engine/"
+FILES[serve]="engine/serve/request.py"; SOURCES[serve]="engine/"  # the request validation
 TESTS[serve]="tests/test_serve.py"
 FILES[recipe]="training/recipe.py";    SOURCES[recipe]="training/ engine/"
 TESTS[recipe]="tests/test_training.py"

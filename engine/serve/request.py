@@ -1,0 +1,242 @@
+"""Requests in: limits, OpenAI-shaped errors, and parsing a body into an ApiRequest (every field validated)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi.responses import JSONResponse
+
+from ..config import ConfigError, DecodeConfig
+from ..engine import Engine
+from ..loading import MASK_TOKEN
+
+KNOBS = ("mode", "block_size", "sub_block_size", "threshold", "strategy", "factor", "cache", "stop_guard")
+PENALTIES = ("frequency_penalty", "presence_penalty", "repetition_penalty", "no_repeat_ngram_size")
+MAX_N = 16  # choices per request (n): each is a scheduler row
+MAX_TOP_LOGPROBS = 5  # OpenAI's limit for completions' logprobs
+MAX_ECHO_DIFFUSION_TOKENS = 512  # echo + logprobs under diffusion: one forward per prompt token (engine/likelihood.py)
+MAX_PROMPT_CHARS = 200_000  # tokenising is cheap, not free: bound it before the context check
+MAX_BODY_BYTES = 8 << 20  # a request body larger than this gets 413 before it is parsed
+MAX_JSON_DEPTH = 32  # the deepest real request nests 4 levels (messages -> message -> content parts -> part)
+MAX_MESSAGE_CHARS = 1000  # error messages quote the bad value, cut to this
+MAX_STOPS = 4
+FINISH = {"stop_token": "stop", "stop_string": "stop", "max_new_tokens": "length", "cancelled": "stop"}
+ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+               405: "invalid_request_error", 413: "invalid_request_error", 503: "server_busy"}
+
+def _show(v: Any, limit: int = 60) -> str:
+    """repr(v) for an error message, cut short (a client can send a megabyte or a deeply nested value)."""
+    try:
+        r = repr(v)
+    except (RecursionError, ValueError):  # ValueError: an int with more digits than str() allows
+        r = f"<{type(v).__name__}>"
+    return r if len(r) <= limit else r[:limit] + "..."
+
+
+class ApiError(Exception):
+    """An OpenAI-style error: status, message, and the request parameter it is about."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+        if len(message) > MAX_MESSAGE_CHARS:
+            message = message[:MAX_MESSAGE_CHARS] + "..."
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+    def response(self, headers: dict[str, str] | None = None) -> JSONResponse:
+        kind = ERROR_TYPES.get(self.status, "server_error")
+        return JSONResponse({"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}},
+                            status_code=self.status, headers=headers)
+
+
+@dataclass
+class ApiRequest:
+    """One parsed completion request."""
+
+    chat: bool
+    prompt: str  # the text the model continues (chat template applied for chat)
+    user_text: str | None  # what the trace header shows as the prompt
+    ids: list[int] | None  # /v1/completions may send token ids instead of text (OpenAI allows both)
+    cfg: DecodeConfig
+    stream: bool = False
+    include_usage: bool = False
+    denoise_events: bool = False
+    stops: list[str] = field(default_factory=list)
+    max_tokens_name: str = "max_tokens"  # the name the client used, for error messages
+    max_tokens_given: bool = False  # False: the engine default, clipped to the context room left
+    n: int = 1  # independent choices, each its own row (seeds seed + i)
+    logprobs: bool = False  # each answer token's log-probability (its committed confidence, logged)
+    echo: bool = False  # completions: the prompt comes back before the answer, with its tokens' log-probabilities
+    top: int = 0  # with echo: the most likely alternatives per prompt token (lm-eval asks 1 to test greediness)
+
+
+def _bool(body: dict[str, Any], name: str) -> bool:
+    v = body.get(name, False)
+    if v is None:
+        return False
+    if not isinstance(v, bool):
+        raise ApiError(400, f"{name}: must be true or false (got {v!r})", name)
+    return v
+
+
+def _text(v: Any, name: str) -> str:
+    """Message content: a string, or OpenAI's list of {type: text, text} parts; valid Unicode only."""
+    if isinstance(v, list) and all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                                   for p in v):
+        v = "".join(p["text"] for p in v)
+    if not isinstance(v, str):
+        raise ApiError(400, f"{name}: must be a string or a list of text parts", name)
+    try:
+        v.encode("utf-8")
+    except UnicodeEncodeError as e:  # JSON can carry lone surrogates; the tokenizer cannot
+        raise ApiError(400, f"{name}: not valid Unicode (a lone surrogate at character {e.start})", name) from None
+    return v
+
+
+def _messages(v: Any) -> list[dict[str, str]]:
+    if not isinstance(v, list) or not v:
+        raise ApiError(400, "messages: must be a non-empty list of {role, content} objects", "messages")
+    out = []
+    for m in v:
+        if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant"):
+            raise ApiError(400, "messages: each message needs role system, user or assistant, and content", "messages")
+        out.append({"role": m["role"], "content": _text(m.get("content"), "messages")})
+    return out
+
+
+def _stops(v: Any) -> list[str]:
+    stops = [v] if isinstance(v, str) else (v or [])
+    if not isinstance(stops, list) or len(stops) > MAX_STOPS or not all(isinstance(s, str) and s for s in stops):
+        raise ApiError(400, f"stop: must be a non-empty string or a list of at most {MAX_STOPS} of them", "stop")
+    return stops
+
+
+def _response_format(v: Any) -> None:
+    """OpenAI's response_format: {"type": "text"} (the default) is what every answer is; JSON modes are refused."""
+    if v is None or v == {"type": "text"}:
+        return
+    kind = v.get("type") if isinstance(v, dict) else None
+    if kind in ("json_object", "json_schema"):
+        raise ApiError(400, f"response_format: {kind} is not supported (no constrained decoding); "
+                            'only {"type": "text"}', "response_format")
+    raise ApiError(400, f'response_format: must be {{"type": "text"}} (got {_show(v)})', "response_format")
+
+
+def parse(body: Any, chat: bool, engine: Engine, model_id: str) -> ApiRequest:
+    """Validate a request body; ApiError names the first bad parameter."""
+    if not isinstance(body, dict):
+        raise ApiError(400, "the request body must be a JSON object")
+    if body.get("model") != model_id:
+        raise ApiError(404, f"model: {_show(body.get('model'))} is not served here; this server serves {model_id!r}",
+                       "model", "model_not_found")
+    n = 1 if body.get("n") is None else body["n"]
+    if type(n) is not int or not 1 <= n <= MAX_N:
+        raise ApiError(400, f"n: must be an integer in [1, {MAX_N}] (got {_show(n)})", "n")
+    echo = False if chat else _bool(body, "echo")
+    logprobs, top = _logprobs(body, chat, echo)
+    if echo and (n > 1 or _bool(body, "stream")):
+        raise ApiError(400, "echo: only with n = 1 and without stream", "echo")
+    known = set(KNOBS) | set(PENALTIES) | {"n", "logprobs", "top_logprobs", *(() if chat else ("echo",)),
+        "model", "messages", "prompt", "stream", "stream_options", "user", "max_tokens", "max_completion_tokens",
+        "temperature", "top_p", "seed", "stop", "denoise_events", "response_format"}
+    unknown = sorted(set(body) - known)
+    if unknown:
+        raise ApiError(400, f"{_show(unknown[0])[1:-1]}: unknown parameter; decoding knobs: "
+                            f"{', '.join(KNOBS + PENALTIES)}", unknown[0])
+    _response_format(body.get("response_format"))
+    where = "messages" if chat else "prompt"
+    ids, prompt, user_text = None, "", None
+    if chat:
+        msgs = _messages(body.get("messages"))
+        prompt, user_text = engine.chat_prompt(msgs), msgs[-1]["content"]
+    elif isinstance(body.get("prompt"), list) and body["prompt"] and all(type(t) is int for t in body["prompt"]):
+        ids = _token_ids(body["prompt"], engine)
+    elif (isinstance(body.get("prompt"), list) and len(body["prompt"]) == 1 and isinstance(body["prompt"][0], list)
+          and body["prompt"][0] and all(type(t) is int for t in body["prompt"][0])):
+        ids = _token_ids(body["prompt"][0], engine)  # a batch of one token list (lm-eval's local-completions sends it)
+    else:
+        prompt = user_text = _text(body.get("prompt"), "prompt")
+    if ids is None and not prompt.strip():
+        raise ApiError(400, f"{where}: the prompt must not be empty", where)
+    if len(prompt) > MAX_PROMPT_CHARS:
+        raise ApiError(400, f"{where}: longer than {MAX_PROMPT_CHARS} characters", where)
+    if engine.can_diffuse and MASK_TOKEN in prompt:
+        raise ApiError(400, f"{where}: contains the mask token {MASK_TOKEN}, which only the decoder may place", where)
+    # null means "not given" (OpenAI's SDKs send it): max_completion_tokens wins when both are set
+    name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    knobs = {"mode": "diffusion" if engine.can_diffuse else "ar"} | {k: body[k] for k in KNOBS if k in body}
+    for k in ("temperature", "top_p", "seed") + PENALTIES:
+        if body.get(k) is not None:
+            knobs[k] = body[k]
+    if body.get(name) is not None:
+        knobs["max_new_tokens"] = body[name]
+    try:
+        cfg = engine.decode_config(**knobs)
+        if cfg.mode == "diffusion" and not engine.can_diffuse:
+            raise ConfigError("mode", "this model has no |<MASK>| token and cannot decode by block diffusion; use 'ar'")
+    except ConfigError as e:
+        if e.field == "sub_block_size" and "sub_block_size" not in body:  # the client sent block_size alone
+            sub = DecodeConfig().sub_block_size
+            raise ApiError(400, f"block_size: must be a multiple of sub_block_size={sub} (its default; send "
+                                f"sub_block_size too to change it) (got {_show(body.get('block_size'))})",
+                           "block_size") from None
+        param = name if e.field == "max_new_tokens" else e.field
+        raise ApiError(400, str(e).replace("max_new_tokens", param, 1), param) from None
+    opts = body.get("stream_options") or {}
+    if not isinstance(opts, dict):
+        raise ApiError(400, "stream_options: must be an object", "stream_options")
+    events = _bool(body, "denoise_events")
+    if events and n > 1:
+        raise ApiError(400, "denoise_events: only with n = 1", "denoise_events")
+    return ApiRequest(chat, prompt, user_text, ids, cfg, _bool(body, "stream"), bool(opts.get("include_usage")),
+                      events, _stops(body.get("stop")), name, body.get(name) is not None, n, logprobs, echo, top)
+
+
+def _logprobs(body: dict[str, Any], chat: bool, echo: bool = False) -> tuple[bool, int]:
+    """(logprobs on, top alternatives). Chat: logprobs true/false and top_logprobs; completions: logprobs as a count.
+    The decoder keeps each answer token's own probability, not the alternatives, so answers get 0 alternatives; with
+    echo the prompt's tokens are scored afresh (engine/likelihood.py) and get up to MAX_TOP_LOGPROBS."""
+    top = body.get("top_logprobs")
+    if top is not None and (type(top) is not int or top != 0):
+        raise ApiError(400, f"top_logprobs: only 0; the engine keeps each answer token's own probability, not the "
+                            f"alternatives (got {_show(top)})", "top_logprobs")
+    v = body.get("logprobs")
+    if v is None:
+        return False, 0
+    if chat:
+        if not isinstance(v, bool):
+            raise ApiError(400, f"logprobs: must be true or false (got {_show(v)})", "logprobs")
+        return v, 0
+    if echo:
+        if type(v) is not int or not 0 <= v <= MAX_TOP_LOGPROBS:
+            raise ApiError(400, f"logprobs: with echo, an integer in [0, {MAX_TOP_LOGPROBS}] (alternatives for the "
+                                f"prompt's tokens) (got {_show(v)})", "logprobs")
+        return True, v
+    if type(v) is not int or v != 0:
+        raise ApiError(400, f"logprobs: only 0 (each answer token's own log-probability; alternatives only for the "
+                            f"prompt's tokens, with echo) (got {_show(v)})", "logprobs")
+    return True, 0
+
+
+def _token_ids(ids: list[int], engine: Engine) -> list[int]:
+    vocab = engine.lm.cfg.vocab_size
+    if not all(0 <= t < vocab for t in ids):
+        raise ApiError(400, f"prompt: token ids must be in [0, {vocab})", "prompt")
+    mask = engine.lm.mask_token_id
+    if mask is not None and mask in ids:
+        raise ApiError(400, f"prompt: contains the mask token id {mask} ({MASK_TOKEN}), which only the decoder may "
+                            f"place (at position {ids.index(mask)})", "prompt")
+    return ids
+
+
+
+def _depth(obj: Any) -> int:
+    """How deeply lists and objects nest (iteratively: no recursion on what a client sent)."""
+    deepest, stack = 0, [(obj, 1)]
+    while stack:
+        o, d = stack.pop()
+        deepest = max(deepest, d)
+        if d > MAX_JSON_DEPTH:
+            break
+        stack += [(x, d + 1) for x in (o.values() if isinstance(o, dict) else o) if isinstance(x, (dict, list))]
+    return deepest if isinstance(obj, (dict, list)) else 0
+
