@@ -1,0 +1,116 @@
+"""Reading the bundled GGUF's 4-bit blocks: Q4_1 projections and Q8_0 rows, kept as stored, cached on disk."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+GROUP = 32  # Q4_1 / Q8_0 block size
+_Q4_1_BYTES = 20  # fp16 d, fp16 m, 16 bytes of nibbles
+_Q8_0_BYTES = 34  # fp16 d, 32 int8
+
+
+@dataclass(slots=True)
+class Q4Blocks:
+    """One Q4_1 matrix [out, in]: q (uint8 0..15), per-group d and m (fp32) [out, in / 32]."""
+
+    q: Tensor
+    d: Tensor
+    m: Tensor
+
+    def dequantize(self) -> Tensor:
+        n, k = self.q.shape
+        w = self.q.view(n, k // GROUP, GROUP).float() * self.d[..., None] + self.m[..., None]
+        return w.view(n, k)
+
+    def rows(self, perm: Tensor) -> "Q4Blocks":
+        return Q4Blocks(self.q[perm], self.d[perm], self.m[perm])
+
+
+def _q4_1(raw: Tensor, out: int, inp: int) -> Q4Blocks:
+    b = raw.view(out, inp // GROUP, _Q4_1_BYTES)
+    d = b[..., 0:2].contiguous().view(torch.float16)[..., 0].float()
+    m = b[..., 2:4].contiguous().view(torch.float16)[..., 0].float()
+    qs = b[..., 4:]
+    q = torch.cat([qs & 15, qs >> 4], -1)  # weight j in the low nibble of byte j, weight j + 16 in its high one
+    return Q4Blocks(q.reshape(out, inp), d, m)
+
+
+def _q8_0(raw: Tensor, out: int, inp: int) -> tuple[Tensor, Tensor]:
+    b = raw.view(out, inp // GROUP, _Q8_0_BYTES)
+    d = b[..., 0:2].contiguous().view(torch.float16)[..., 0].float()
+    return b[..., 2:].contiguous().view(torch.int8).reshape(out, inp), d
+
+
+def _unpermute(n_head: int, rows: int) -> Tensor:
+    """llama.cpp's converter interleaves the rotary halves of q/k rows; this row order undoes it (as
+    transformers' GGUF loader does)."""
+    half = rows // n_head // 2
+    return torch.arange(rows).view(n_head, half, 2).transpose(1, 2).reshape(rows)
+
+
+GGUF_NAMES = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+              "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+              "ffn_down": "mlp.down_proj"}
+
+
+@dataclass(slots=True)
+class GGUFWeights:
+    """The Q4_1 projections by our parameter name (without '.weight') and the Q8_0 embedding."""
+
+    q4: dict[str, Q4Blocks]
+    embed_q: Tensor  # int8 [vocab, hidden]
+    embed_d: Tensor  # fp32 [vocab, hidden / 32]
+
+
+def read_gguf(path: Path, n_head: int, n_kv_head: int) -> GGUFWeights:
+    import gguf
+
+    reader = gguf.GGUFReader(str(path))
+    q4: dict[str, Q4Blocks] = {}
+    embed = None
+    for t in reader.tensors:
+        if len(t.shape) != 2:  # norms: read from the converted checkpoint like every other tensor
+            continue
+        inp, out = (int(x) for x in t.shape)  # GGUF lists dims innermost first
+        raw = torch.from_numpy(t.data.copy()).view(torch.uint8)
+        if t.name == "token_embd.weight":
+            if t.tensor_type != gguf.GGMLQuantizationType.Q8_0:
+                raise ValueError(f"gguf: token_embd is {t.tensor_type.name}, expected Q8_0")
+            embed = _q8_0(raw, out, inp)
+            continue
+        parts = t.name.split(".")
+        if parts[0] != "blk" or parts[2] not in GGUF_NAMES:
+            continue
+        if t.tensor_type != gguf.GGMLQuantizationType.Q4_1:
+            raise ValueError(f"gguf: {t.name} is {t.tensor_type.name}, expected Q4_1")
+        blocks = _q4_1(raw, out, inp)
+        if parts[2] in ("attn_q", "attn_k"):
+            blocks = blocks.rows(_unpermute(n_head if parts[2] == "attn_q" else n_kv_head, out))
+        q4[f"model.layers.{parts[1]}.{GGUF_NAMES[parts[2]]}"] = blocks
+    if embed is None:
+        raise ValueError(f"gguf: {path} has no token_embd.weight")
+    return GGUFWeights(q4, *embed)
+
+
+def cached_gguf(path: Path, n_head: int, n_kv_head: int, cache: Path) -> GGUFWeights:
+    """read_gguf, memoised as a safetensors file (GGUFReader spends ~10 s parsing the tokenizer fields)."""
+    from safetensors.torch import load_file, save_file
+
+    if cache.exists():
+        t = load_file(str(cache))
+        names = {k.rsplit(".", 1)[0] for k in t if k.startswith("model.")}
+        q4 = {n: Q4Blocks(t[n + ".q"], t[n + ".d"].float(), t[n + ".m"].float()) for n in names}
+        return GGUFWeights(q4, t["embed.q"], t["embed.d"].float())
+    w = read_gguf(path, n_head, n_kv_head)
+    t = {"embed.q": w.embed_q, "embed.d": w.embed_d.half()}  # d and m are fp16 in the file: stored exactly
+    for n, b in w.q4.items():
+        t.update({n + ".q": b.q.contiguous(), n + ".d": b.d.half(), n + ".m": b.m.half()})
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    tmp = cache.with_name(cache.name + f".tmp{os.getpid()}")
+    save_file(t, str(tmp))
+    tmp.replace(cache)
+    return w

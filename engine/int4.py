@@ -1,0 +1,312 @@
+"""4-bit layers at run time: the bundled GGUF's Q4_1 blocks (projections) and Q8_0 rows (tied embedding / LM head),
+kept as stored.
+
+A Q4_1 block stores 32 weights as q in 0..15 with an fp16 scale d and minimum m: w = d*q + m. Two backends:
+* ours (engine/cpu_kernels.py, engine/csrc/; CPUs with AVX-512 VNNI and a C++ compiler): narrow calls multiply
+  the file's q, d, m with fp32 activations (the fp32 path's numbers up to summation order) or, with
+  FASTDLLM_ACTIVATIONS=int8, int8 ones per 32-group (VNNI); wide calls dequantise tiles to bf16 in L1
+  (q4_bf16, AVX-512 BF16) or use a dense bf16 copy; the head runs its Q8_0 rows at every width; and
+  `LayerStep` runs a whole decoder layer of a cached forward (up to a block) in one C++ call.
+* torch (fallback, or FASTDLLM_KERNELS=torch): w = d*(q - 8) + (m + 8d) is torch's int4 weight-only format with
+  group size 32 (`aten._weight_int4pack_mm_for_cpu`), bf16 activations and scales; a dense bf16 copy for wide
+  calls; the Q8_0 head as two int4 planes (q = 16 hi + lo) below HEAD_WIDE_ROWS positions, dense bf16 above.
+"Narrow" and "wide" split at `wide_rows` positions of one sequence (FASTDLLM_INT4_WIDE_ROWS), not rows of the
+batch, so a batch of AR rows (1 position each) runs the same kernels as each row alone: batched greedy answers
+equal single-user ones (a scheduler admitting users must not change anyone's tokens).
+
+The dLLM's LoRA adapter stays a separate low-rank path (x A^T) B^T on top of the shared base weights:
+base and dLLM share one copy of the 4-bit weights, and no merged weight is re-quantised.
+
+FASTDLLM_WEIGHTS picks the projection weights of the bundled model on CPU: int4+bf16 (default), int4 (4-bit at
+every width), bf16, fp32 (the dequantised path).
+"""
+from __future__ import annotations
+
+from types import ModuleType
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from . import cpu_kernels
+from .model import WIDE_CALLS
+from . import env
+from .gguf_blocks import GROUP, Q4Blocks
+
+HEAD_WIDE_ROWS = 4  # LM head: int4 planes below, dense bf16 from here (7.4 vs 14.8 ms at 1 row, 25.5 vs 20.7 at 8);
+# counted per sequence, so an 8-row AR batch pays the 25.5 ms to keep every row's logits equal to its own alone
+FUSED_MAX_WIDTH = 32  # widest forward the one-call layer step takes (a block step); prefills stay eager
+# Where wide calls start (bf16 activations), per backend. Ours: above a block, so every cached decode step (AR, sub-block,
+# block) keeps fp32 activations and the fp32 path's tokens, and only prefills take bf16 (diffusion answers equal to the
+# fp32 path's: 302/309 against 292 at 16, for 0.82-0.92x its speed; README). torch's int4 kernel: at 16, where it costs as much
+# as dense bf16.
+OURS_WIDE_ROWS = FUSED_MAX_WIDTH + 1
+TORCH_WIDE_ROWS = 16
+ACTS = ("fp32", "int8")
+DEFAULT_ACT = "fp32"  # activations of our kernels' narrow calls (README: speed and greedy agreement of both)
+
+
+TILE = 4  # our kernels' output tile: its rows are interleaved into one weight stream (engine/csrc/q4.cpp)
+
+
+def tiled(t: Tensor, chunks: int) -> Tensor:
+    """t [N, ...] with each row cut into `chunks` equal chunks -> same shape, contents reordered to
+    [N/TILE, chunks, TILE, chunk]: a tile's rows side by side, chunk by chunk."""
+    n = t.shape[0]
+    return t.reshape(n // TILE, TILE, chunks, -1).transpose(1, 2).reshape(t.shape).contiguous()
+
+
+def pack_pairs(q: Tensor) -> Tensor:
+    """q [N, K] in 0..15 -> uint8 [N, K/2]: per pair of 32-groups (g, g + 1), byte b holds q_g[b] in its low nibble
+    and q_{g+1}[b] in its high one; then tiled (engine/csrc/q4.cpp's layout)."""
+    n, k = q.shape
+    g = q.view(n, k // (2 * GROUP), 2, GROUP).to(torch.uint8)
+    return tiled((g[:, :, 0] | (g[:, :, 1] << 4)).reshape(n, k // 2), k // (2 * GROUP))
+
+
+def _ours(n: int, k: int) -> ModuleType | None:
+    """Our kernels when they are built and fit the shape (K a multiple of 64, N of 4), else None."""
+    kernels = cpu_kernels.load()
+    return kernels if kernels is not None and k % (2 * GROUP) == 0 and k <= 2048 and n % 4 == 0 else None
+
+
+class Int4Weight(nn.Module):
+    """One (fused) projection's base weight, 4-bit, and what wide calls run (int4+bf16).
+
+    With our kernels (engine/cpu_kernels.py): the file's q, d, m as they are (`qs` nibble pairs, `dm` fp16, `mt` =
+    m as fp32 [groups, out] for the int8-activation path); wide calls dequantise tiles to bf16 on the fly
+    (`q4_bf16`, on CPUs with AVX-512 BF16) or, elsewhere, use a dense bf16 copy. Otherwise torch's int4 pack, whose
+    kernel wants bf16 scales and zeros (d and m + 8d rounded to bf16), and a dense bf16 copy."""
+
+    def __init__(self, blocks: Q4Blocks, dense_bf16: bool):
+        super().__init__()
+        self.out_features, self.in_features = blocks.q.shape
+        self.kernels = _ours(self.out_features, self.in_features)
+        self.wide_bf16 = False  # wide calls through q4_bf16 (no dense copy)
+        dense = None
+        if self.kernels is not None:
+            self.register_buffer("qs", pack_pairs(blocks.q))
+            self.register_buffer("dm", tiled(torch.stack([blocks.d, blocks.m], -1).half(), self.in_features // GROUP))
+            self.register_buffer("mt", blocks.m.t().contiguous().float())
+            self.wide_bf16 = dense_bf16 and cpu_kernels.bf16_ok()
+            if dense_bf16 and not self.wide_bf16:
+                dense = blocks.dequantize()
+        else:
+            self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(blocks.q.int(), 1))
+            zero = blocks.m + 8 * blocks.d
+            sz = torch.stack([blocks.d, zero], -1).transpose(0, 1).contiguous().bfloat16()
+            self.register_buffer("scale_zero", sz)
+            if dense_bf16:  # from the same bf16 scales/zeros, so both paths compute with the same weights
+                q = blocks.q.view(self.out_features, -1, GROUP).float() - 8
+                sz = sz.float().transpose(0, 1)  # [out, groups, 2]
+                dense = (q * sz[..., 0:1] + sz[..., 1:2]).view(self.out_features, self.in_features)
+        self.register_buffer("dense", None if dense is None else dense.bfloat16())
+
+    def narrow(self, x: Tensor, act: str) -> Tensor:
+        """x [rows, in] -> [rows, out] fp32 through the 4-bit weights; `act` = activations of our kernels."""
+        if self.kernels is None:
+            return torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), self.packed, GROUP,
+                                                              self.scale_zero).float()
+        x = x.float().contiguous()
+        if act == "int8":
+            return self.kernels.q4_i8(x, self.qs, self.dm, self.mt)
+        return self.kernels.q4_f32(x, self.qs, self.dm)
+
+    def wide(self, x: Tensor) -> Tensor:
+        """x [rows, in] -> [rows, out] fp32 with bf16 weights and activations (int4+bf16's wide calls)."""
+        if self.wide_bf16:
+            return self.kernels.q4_bf16(x.float().contiguous(), self.qs, self.dm)
+        return F.linear(x.to(torch.bfloat16), self.dense).float()
+
+
+class LoRA(nn.Module):
+    """A fused low-rank delta: h = x A^T for every fused part in one product, then each part's B adds into its own
+    slice of the output (no block-diagonal zeros: q|k|v's were 2/3 zeros); the scale is folded into B; parts
+    without an adapter are skipped. fp32, like the residual stream: on this CPU a small bf16 GEMM costs a
+    ~25 us floor (oneDNN), fp32 ones 3-25 us, and the zero-free fp32 path is the fastest we measured (README)."""
+
+    def __init__(self, parts: list[tuple[Tensor, Tensor] | None], outs: list[int], scale: float):
+        super().__init__()
+        kept = [(i, p) for i, p in enumerate(parts) if p is not None]
+        self.register_buffer("a_t", torch.cat([p[0].float() for _, p in kept], 0).t().contiguous())
+        starts = [sum(outs[:i]) for i in range(len(outs))]
+        self.slices: list[tuple[str, int, int, int, int]] = []  # (B buffer, rank start, rank end, out start, out end)
+        r0 = 0
+        for j, (i, (a, b)) in enumerate(kept):
+            self.register_buffer(f"b_t{j}", (b.float() * scale).t().contiguous())
+            self.slices.append((f"b_t{j}", r0, r0 + a.shape[0], starts[i], starts[i] + outs[i]))
+            r0 += a.shape[0]
+        self.whole = len(kept) == 1 and len(outs) == 1
+
+    def add_to(self, y: Tensor, x: Tensor) -> Tensor:
+        """y [rows, sum outs] += the delta for x [rows, in], in place (both fp32)."""
+        h = x.to(self.a_t.dtype) @ self.a_t
+        if self.whole:
+            return y.addmm_(h, self.b_t0)
+        for b, r0, r1, o0, o1 in self.slices:
+            y[:, o0:o1].addmm_(h[:, r0:r1], self._buffers[b])
+        return y
+
+
+def _width(x: Tensor) -> int:
+    """Positions per sequence of an activation [B, T, features] (rows of a 2-D one): what picks the kernel."""
+    return x.shape[-2] if x.dim() > 2 else x.shape[0]
+
+
+class Int4Linear(nn.Module):
+    """y = x W^T (+ LoRA) with W 4-bit; `splits` = widths of the fused outputs (q|k|v, gate|up)."""
+
+    def __init__(self, weight: Int4Weight, splits: list[int], wide_rows: int | None, lora: LoRA | None = None,
+                 act: str = DEFAULT_ACT):
+        super().__init__()
+        self.weight = weight  # shared between the AR base and the dLLM
+        self.splits = splits
+        self.wide_rows = wide_rows  # None: 4-bit at every width
+        self.lora = lora
+        self.act = act
+
+    def forward(self, x: Tensor) -> Tensor:
+        w = self.weight
+        x2 = x.reshape(-1, w.in_features)
+        if self.wide_rows is not None and (_width(x) >= self.wide_rows or WIDE_CALLS.get()):
+            y = w.wide(x2).to(x.dtype)
+        else:
+            y = w.narrow(x2, self.act).to(x.dtype)
+        if self.lora is not None:
+            y = self.lora.add_to(y, x2)
+        return y.view(*x.shape[:-1], w.out_features)
+
+
+class DenseBF16Linear(nn.Module):
+    """y = x W^T with W dense bf16 (the "bf16" mode's projections and every mode's LM head)."""
+
+    def __init__(self, weight: Tensor, splits: list[int], lora: LoRA | None = None):
+        super().__init__()
+        self.register_buffer("weight", weight.bfloat16().contiguous())
+        self.splits = splits
+        self.lora = lora
+
+    def forward(self, x: Tensor) -> Tensor:
+        x2 = x.reshape(-1, x.shape[-1])
+        y = F.linear(x2.to(torch.bfloat16), self.weight).to(x.dtype)
+        if self.lora is not None:
+            y = self.lora.add_to(y, x2)
+        return y.view(*x.shape[:-1], y.shape[-1])
+
+
+def q8_planes(q: Tensor, d: Tensor) -> tuple[Q4Blocks, Q4Blocks]:
+    """A Q8_0 matrix as two int4 matrices whose products add up to it: q = 16 hi + lo, hi in -8..7, lo in 0..15."""
+    q = q.int()
+    hi, lo = q >> 4, q & 15
+    return Q4Blocks(hi + 8, 16 * d, -128 * d), Q4Blocks(lo, d, torch.zeros_like(d))
+
+
+class Q8Head(nn.Module):
+    """The tied Q8_0 LM head's weights, shared by the base and the dLLM.
+
+    With our kernels: as stored (q + 128 as uint8, fp16 d), at every width (fp32 or int8 activations). Otherwise
+    two int4 products (q = 16 hi + lo; exact but for bf16 scales) below `HEAD_WIDE_ROWS` positions per sequence,
+    2x faster than dense bf16 for the AR step, and dense bf16 for wider calls."""
+
+    def __init__(self, q: Tensor, d: Tensor):
+        super().__init__()
+        self.kernels = _ours(*q.shape)
+        self.planes: tuple[Int4Weight, Int4Weight] | None = None
+        if self.kernels is not None:
+            self.register_buffer("u", tiled((q.int() + 128).to(torch.uint8), q.shape[1] // (2 * GROUP)))
+            self.register_buffer("d", tiled(d.half(), d.shape[1]))
+            self.register_buffer("mt", (-128 * d.half().float()).t().contiguous())
+            self.register_buffer("weight", None)
+        else:
+            hi, lo = q8_planes(q, d)
+            self.planes = (Int4Weight(hi, dense_bf16=False), Int4Weight(lo, dense_bf16=False))
+            for name, plane in zip(("hi", "lo"), self.planes):
+                self.add_module(name, plane)
+            self.register_buffer("weight", (q.float().view(q.shape[0], -1, GROUP) * d[..., None]).flatten(1).bfloat16())
+
+    def forward(self, x2: Tensor, width: int, act: str) -> Tensor:
+        """x2 [rows, hidden] -> fp32 logits; `width` = positions per sequence."""
+        if self.kernels is not None:
+            x = x2.float().contiguous()
+            return self.kernels.q8_i8(x, self.u, self.d, self.mt) if act == "int8" else self.kernels.q8_f32(x, self.u, self.d)
+        if width < HEAD_WIDE_ROWS:
+            hi, lo = self.planes
+            return hi.narrow(x2, "fp32") + lo.narrow(x2, "fp32")
+        return F.linear(x2.to(torch.bfloat16), self.weight).float()
+
+
+class LMHead(nn.Module):
+    """Logits over the file's vocabulary (a shared Q8Head) plus the adapter's new rows (fp32), if any."""
+
+    def __init__(self, core: Q8Head, extra_rows: Tensor | None, act: str = DEFAULT_ACT):
+        super().__init__()
+        self.core = core
+        self.act = act
+        self.register_buffer("extra", extra_rows)
+
+    def forward(self, x: Tensor) -> Tensor:
+        x2 = x.reshape(-1, x.shape[-1])
+        y = self.core(x2, _width(x), self.act).to(x.dtype)
+        if self.extra is not None:
+            y = torch.cat([y, F.linear(x2.to(self.extra.dtype), self.extra).to(y.dtype)], -1)
+        return y.view(*x.shape[:-1], y.shape[-1])
+
+
+class Q8Embedding(nn.Module):
+    """The Q8_0 embedding as stored (int8 + per-32 scales); a lookup dequantises only the rows it reads.
+    Rows past the file's vocabulary (the adapter's mask token) are kept in fp32."""
+
+    def __init__(self, q: Tensor, d: Tensor, extra_rows: Tensor | None, dtype: torch.dtype):
+        super().__init__()
+        self.register_buffer("q", q)
+        self.register_buffer("d", d)
+        self.register_buffer("extra", extra_rows)
+        self.dtype = dtype
+
+    def forward(self, ids: Tensor) -> Tensor:
+        v = self.q.shape[0]
+        inside = ids.clamp(max=v - 1)
+        x = (self.q[inside].view(*ids.shape, -1, GROUP).to(self.dtype) * self.d[inside][..., None].to(self.dtype))
+        x = x.flatten(-2)
+        if self.extra is not None and bool((ids >= v).any()):
+            x = torch.where((ids >= v)[..., None], self.extra[(ids - v).clamp(min=0)].to(self.dtype), x)
+        return x
+
+
+class LayerStep:
+    """One decoder layer's narrow forward as a single call of our kernels (engine/csrc/layer.cpp), for layers whose
+    four projections are Int4Linear on our kernels. Holds the layer's tensors, gathered once: the model is
+    inference-only once its weights are quantised."""
+
+    def __init__(self, layer: nn.Module, kernels: ModuleType, act: str):
+        attn, mlp = layer.self_attn, layer.mlp
+        projs = [attn.qkv, attn.o_proj, mlp.gate_up, mlp.down_proj]
+        self.kernels, self.int8 = kernels, act == "int8"
+        self.wide_rows = projs[0].wide_rows
+        # widths it takes: below wide_rows; up to a block (FUSED_MAX_WIDTH) when wide calls have q4_bf16
+        self.max_width = FUSED_MAX_WIDTH if all(p.weight.wide_bf16 for p in projs) and self.wide_rows is not None \
+            else (self.wide_rows or FUSED_MAX_WIDTH + 1) - 1
+        self.heads, self.kv_heads = attn.h, attn.hkv
+        self.norm1, self.norm2 = layer.input_layernorm.weight, layer.post_attention_layernorm.weight
+        self.eps = layer.input_layernorm.eps
+        self.weights = [t for p in projs for t in (p.weight.qs, p.weight.dm, p.weight.mt)]
+        self.lora_a = [p.lora.a_t if p.lora is not None else None for p in projs]
+        self.lora_b = [[p.lora._buffers[b] for b, *_ in p.lora.slices] if p.lora is not None else [] for p in projs]
+        self.slices = [[v for _, *r in p.lora.slices for v in r] if p.lora is not None else [] for p in projs]
+
+    @staticmethod
+    def fits(layer: nn.Module) -> bool:
+        projs = [layer.self_attn.qkv, layer.mlp.gate_up, layer.self_attn.o_proj, layer.mlp.down_proj]
+        return all(isinstance(p, Int4Linear) and p.weight.kernels is not None for p in projs)
+
+    def __call__(self, x: Tensor, cache_k: Tensor, cache_v: Tensor, shared: tuple[Tensor, Tensor, Tensor, Tensor]) -> Tensor:
+        cos, sin, pos, mask = shared
+        wide = self.wide_rows is not None and x.shape[1] >= self.wide_rows
+        return self.kernels.layer_step(x, self.norm1, self.norm2, self.eps, self.weights, self.lora_a, self.lora_b,
+                                       self.slices, self.int8, wide, self.heads, self.kv_heads, cos, sin, cache_k,
+                                       cache_v, pos, mask)
+
+
+def fused_wanted() -> bool:
+    """FASTDLLM_FUSED=0 turns the one-call layer step off (bench profile's per-module split needs the eager layer)."""
+    return env.get("FASTDLLM_FUSED") != "0"
