@@ -1,10 +1,10 @@
-"""python -m bench {throughput,quality,penalties,profile,forward,kernels,roofline,gpu,memory,serve,studio}: the Fast-dLLM v2 benchmarks."""
+"""python -m bench {throughput,quality,penalties,profile,forward,kernels,roofline,gpu,memory,serve,stall,studio}: the Fast-dLLM v2 benchmarks."""
 from __future__ import annotations
 
 import argparse
 import sys
 
-from . import forward, gpu, kernels, memory, penalties, profile, quality, roofline, serve, studio, throughput
+from . import forward, gpu, kernels, memory, penalties, profile, quality, roofline, serve, stall, studio, throughput
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -20,6 +20,7 @@ def main(argv: list[str] | None = None) -> int:
     gpu.add_parser(sub)
     memory.add_parser(sub)
     serve.add_parser(sub)
+    stall.add_parser(sub)
     studio.add_parser(sub)
     args = parser.parse_args(argv)
     return args.func(args)

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from .config import CACHE_MODES, MODES, STRATEGIES, ConfigError, DecodeConfig
 from .loading import ModelSourceError
+from .scheduler import PREFILL_CHUNK
 from . import env
 
 
@@ -148,12 +149,14 @@ def cmd_serve(a: argparse.Namespace) -> int:
         raise ConfigError("max_batch", f"must be an integer in [1, 256] (got {a.max_batch})")
     if not 0 < a.port < 65536:
         raise ConfigError("port", f"must be in [1, 65535] (got {a.port})")
+    if a.prefill_chunk < 64 or a.prefill_chunk % 64:
+        raise ConfigError("prefill_chunk", f"must be a multiple of 64, at least 64 (got {a.prefill_chunk})")
     key, origins = serve_access(a)
     engine = Engine.load(a.model, a.device, a.dtype)
     print(f"model: {engine.lm.banner()}; OpenAI API on http://{a.host}:{a.port}/v1"
           f"{'; API key required' if key else ''}{'; CORS for ' + ', '.join(origins) if origins else ''}",
           file=sys.stderr, flush=True)
-    serve(engine, a.host, a.port, a.max_batch, api_key=key, allowed_origins=origins)
+    serve(engine, a.host, a.port, a.max_batch, api_key=key, allowed_origins=origins, prefill_chunk=a.prefill_chunk)
     return 0
 
 
@@ -172,6 +175,9 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--host", default="127.0.0.1", help="interface (default 127.0.0.1; 0.0.0.0 to share on a network)")
     s.add_argument("--port", type=int, default=8000, help="port (8000)")
     s.add_argument("--max-batch", type=int, default=16, help="rows decoded together per setting; more requests wait")
+    s.add_argument("--prefill-chunk", type=int, default=PREFILL_CHUNK,
+                   help="a longer prompt is prefilled this many tokens per pass, between the other requests' forwards "
+                        f"(chunked prefill; a multiple of 64; default {PREFILL_CHUNK})")
     s.add_argument("--model", help="hub id or local checkpoint directory (default: FASTDLLM_MODEL, else the bundled model)")
     s.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     s.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None, help="weights dtype")

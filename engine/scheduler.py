@@ -6,7 +6,9 @@ max_new_tokens and the repetition knobs, which each row applies to its own logit
 cache, unmasking rule, sampling) share a batch; a request that
 arrives while that batch decodes is prefilled on its own and merged into it before the next forward, so it never
 waits for the batch to finish. Batches with different settings take turns, one forward each. A request's stop
-flag drops its own row before the next forward; the other rows carry on.
+flag drops its own row before the next forward; the other rows carry on. A prompt longer than `prefill_chunk`
+tokens is prefilled a chunk per pass between the batches' forwards (chunked prefill), so a 4,000-token prompt
+delays a short request's first token by one chunk's forward, not by its whole prefill.
 """
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ from .events import Event, Listener, Summary, Trace
 
 MAX_BATCH = 16  # rows per batch; more requests wait for a row to finish
 MAX_WAITING = 64  # requests not yet admitted; more are refused (SchedulerBusy)
+PREFILL_CHUNK = 256  # a longer prompt is prefilled this many tokens a pass, between the running batches' forwards
 
 
 class SchedulerBusy(RuntimeError):
@@ -78,6 +81,18 @@ class Ticket:
 
 
 @dataclass(eq=False)
+class Prefill:
+    """A long prompt being prefilled chunk by chunk (chunked prefill) before it joins its key's batch."""
+
+    key: tuple
+    decoder: Decoder
+    batch: Batch
+    ticket: Ticket
+    done: int = 0  # prompt positions whose K/V are in the batch's cache
+    limit: int = 0  # how far chunks may go (Decoder.chunk_limit); the final prefill does the rest
+
+
+@dataclass(eq=False)
 class Group:
     """One batch of rows with the same key, and the decoder that steps it."""
 
@@ -89,10 +104,15 @@ class Group:
 class Scheduler:
     """Continuous batching over one Engine; thread-safe submit(), one decoding thread."""
 
-    def __init__(self, engine: Engine, max_batch: int = MAX_BATCH, max_waiting: int = MAX_WAITING):
+    def __init__(self, engine: Engine, max_batch: int = MAX_BATCH, max_waiting: int = MAX_WAITING,
+                 prefill_chunk: int = PREFILL_CHUNK):
+        if prefill_chunk < 64 or prefill_chunk % 64:
+            raise ValueError(f"prefill_chunk: {prefill_chunk} must be a multiple of 64 (every block size divides it)")
         self.engine, self.max_batch, self.max_waiting = engine, max_batch, max_waiting
+        self.prefill_chunk = prefill_chunk
         self.waiting: deque[Ticket] = deque()
         self.groups: dict[tuple, Group] = {}
+        self.prefills: deque[Prefill] = deque()  # long prompts, one chunk a pass, first come first served
         self.forwards = 0  # forwards run by the worker (prefills included): what batching saves
         self.running = 0  # rows in all batches after the worker's last pass (read from any thread)
         self._live = 0  # submitted, not finished: also counts a row between waiting and its batch (prefill)
@@ -141,7 +161,7 @@ class Scheduler:
     def _loop(self) -> None:
         while True:
             with self._cv:
-                while not self._closed and not self.waiting and not self.groups:
+                while not self._closed and not self.waiting and not self.groups and not self.prefills:
                     self._cv.wait()
                 if self._closed:
                     self._fail_all(RuntimeError("the scheduler was closed"))
@@ -149,6 +169,7 @@ class Scheduler:
                 admit = self._take_waiting()
             with self.engine.lock, torch.inference_mode():  # direct Engine.generate_ids callers take turns with us
                 self._admit(admit)
+                self._prefill_chunk()
                 for key in list(self.groups):
                     self._step(key)
             self.running = sum(len(g.batch.rows) for g in self.groups.values())
@@ -157,6 +178,8 @@ class Scheduler:
         """Waiting requests that fit into their batch now (FIFO; a full batch holds back only its own key)."""
         out, left = [], deque()
         rows = {k: len(g.batch.rows) for k, g in self.groups.items()}
+        for p in self.prefills:  # a long prompt being prefilled holds its row
+            rows[p.key] = rows.get(p.key, 0) + 1
         while self.waiting:
             t = self.waiting.popleft()
             k = batch_key(t.cfg)
@@ -169,7 +192,8 @@ class Scheduler:
         return out
 
     def _admit(self, tickets: list[Ticket]) -> None:
-        """Prefill newly arrived rows (one forward per key) and merge them into their key's batch."""
+        """Prefill newly arrived rows (one forward per key) and merge them into their key's batch; a prompt longer
+        than prefill_chunk starts a chunked prefill instead, so it delays the running batches by a chunk a pass."""
         by_key: dict[tuple, list[Ticket]] = {}
         for t in tickets:
             if t.stop.is_set():  # cancelled while waiting: never decoded
@@ -180,24 +204,66 @@ class Scheduler:
             g = self.groups.get(key)
             dec = g.decoder if g else decoder_for(self._model(ts[0].cfg.mode), ts[0].cfg, self.engine.lm.mask_token_id,
                                                   self.engine.tb)
-            try:
-                rows = dec.new_rows([t.ids for t in ts], indices=[0] * len(ts), max_new=[t.cfg.max_new_tokens for t in ts],
-                                    listeners=[t.on_event for t in ts], cancels=[t.stop for t in ts],
-                                    penalties=[Penalties.of(t.cfg) for t in ts], seeds=[t.cfg.seed for t in ts])
-                for t, r in zip(ts, rows):
-                    t.row = r
-                new = dec.prefill([t.ids for t in ts], rows)
-                self.forwards += 1
-            except Exception as exc:  # noqa: BLE001 - these requests fail; the running batch is untouched
-                for t in ts:
+            long = [t for t in ts if dec.uses_cache() and len(t.ids) - 1 > self.prefill_chunk]
+            for t in long:
+                try:
+                    rows = self._rows(dec, [t])
+                    self.prefills.append(Prefill(key, dec, dec.open_batch([t.ids], rows), t, 0, dec.chunk_limit(rows)))
+                except Exception as exc:  # noqa: BLE001 - this request fails; the others go on
                     self._complete(t, None, exc)
-                continue
-            if g is None:
-                g = self.groups[key] = Group(dec, new, [])
+            short = [t for t in ts if t not in long]
+            if short:
+                self._join(key, dec, short)
+
+    def _rows(self, dec: Decoder, ts: list[Ticket]) -> list[Row]:
+        rows = dec.new_rows([t.ids for t in ts], indices=[0] * len(ts), max_new=[t.cfg.max_new_tokens for t in ts],
+                            listeners=[t.on_event for t in ts], cancels=[t.stop for t in ts],
+                            penalties=[Penalties.of(t.cfg) for t in ts], seeds=[t.cfg.seed for t in ts])
+        for t, r in zip(ts, rows):
+            t.row = r
+        return rows
+
+    def _join(self, key: tuple, dec: Decoder, ts: list[Ticket], pre: Prefill | None = None) -> None:
+        """The (final) prefill forward of these requests' rows, then into their key's batch."""
+        try:
+            if pre is None:
+                new = dec.prefill([t.ids for t in ts], self._rows(dec, ts))
             else:
-                g.batch = dec.merge(g.batch, new)
-            g.tickets += ts
-            self._deliver(key)
+                new = dec.prefill([pre.ticket.ids], pre.batch.rows, batch=pre.batch, cached=pre.done)
+            self.forwards += 1
+        except Exception as exc:  # noqa: BLE001 - these requests fail; the running batch is untouched
+            for t in ts:
+                self._complete(t, None, exc)
+            return
+        g = self.groups.get(key)
+        if g is None:
+            g = self.groups[key] = Group(dec, new, [])
+        else:
+            g.batch = dec.merge(g.batch, new)
+        g.tickets += ts
+        self._deliver(key)
+
+    def _prefill_chunk(self) -> None:
+        """One chunk of the oldest long prompt; its last piece is the prefill that commits its first tokens."""
+        if not self.prefills:
+            return
+        p = self.prefills[0]
+        if p.ticket.stop.is_set():  # cancelled mid-prefill: no answer was started
+            self.prefills.popleft()
+            self._complete(p.ticket, Summary(0, 0, 0.0, 0.0, 0.0, 0.0, "cancelled", "", []))
+            return
+        if p.limit - p.done <= self.prefill_chunk:  # the rest fits one forward: the final prefill, then its batch
+            self.prefills.popleft()
+            self._join(p.key, p.decoder, [p.ticket], p)
+            return
+        try:
+            p.decoder.prefill_chunk(p.batch, p.done, p.done + self.prefill_chunk)
+        except Exception as exc:  # noqa: BLE001 - this request fails; the running batches go on
+            self.prefills.popleft()
+            self._complete(p.ticket, None, exc)
+            return
+        self.forwards += 1
+        p.done += self.prefill_chunk
 
     def _step(self, key: tuple) -> None:
         g = self.groups[key]
@@ -244,7 +310,8 @@ class Scheduler:
                 pass
 
     def _fail_all(self, error: BaseException) -> None:
-        for t in list(self.waiting) + [t for g in self.groups.values() for t in g.tickets]:
+        for t in list(self.waiting) + [p.ticket for p in self.prefills] + [t for g in self.groups.values() for t in g.tickets]:
             self._complete(t, None, error)
         self.waiting.clear()
+        self.prefills.clear()
         self.groups.clear()

@@ -16,9 +16,9 @@ SHARED_PREFIX_MIN = 16  # AR prefill: a common prompt prefix this long gets its 
 class ARDecoder(Decoder):
     """Greedy or sampled next-token decoding over a KV cache (static-shape steps when there is a stepper)."""
 
-    def _prefill_rows(self, batch: Batch, prompts: list[list[int]]) -> None:
+    def _prefill_rows(self, batch: Batch, prompts: list[list[int]], cached: int = 0) -> None:
         with wide_calls():  # however the batch splits the prompts, their K/V come from the same kernels
-            self._prefill_ar(batch, prompts)
+            self._prefill_ar(batch, prompts, cached)
 
     def _step_rows(self, batch: Batch) -> None:
         self._step_ar(batch)
@@ -31,12 +31,13 @@ class ARDecoder(Decoder):
         n = min(len(os.path.commonprefix(prompts)), min(len(p) for p in prompts) - 1)
         return n if n >= SHARED_PREFIX_MIN else 0
 
-    def _prefill_ar(self, batch: Batch, prompts: list[list[int]]) -> None:
+    def _prefill_ar(self, batch: Batch, prompts: list[list[int]], cached: int = 0) -> None:
+        """Prompts from position `cached` on (the cache holds those before: chunked prefill)."""
         rows, seq = batch.rows, batch.seq
         plen = torch.tensor([r.prompt_len for r in rows], device=self.device)
         width = int(plen.max())
-        shared = self._shared_prefix(prompts, batch.cache)
-        if shared:  # the common prefix once, its K/V copied to every row; then only the rows' own tokens
+        shared = cached or self._shared_prefix(prompts, batch.cache)
+        if shared and not cached:  # the common prefix once, its K/V copied to every row; then only the rows' own tokens
             assert batch.cache is not None
             one = KVCache(self.model.cfg, 1, shared, self.device, self._dtype())
             pos1 = torch.arange(shared, device=self.device)[None]

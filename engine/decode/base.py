@@ -16,7 +16,7 @@ from torch import Tensor
 
 from ..config import DecodeConfig
 from ..events import Event, Listener, Summary, Token
-from ..model import CausalLM, KVCache
+from ..model import CausalLM, KVCache, causal_mask, wide_calls
 from ..penalties import NgramIndex, Penalties, apply_scales, ban
 from ..sampling import sample
 from ..static import StaticStepper
@@ -227,11 +227,15 @@ class Decoder:
         """The token every undecided position of the sequence holds."""
         return 0
 
-    def _wants_cache(self) -> bool:
+    def uses_cache(self) -> bool:
         return True
 
-    def _prefill_rows(self, batch: Batch, prompts: list[list[int]]) -> None:
-        """The first forward of new rows; it also commits their first tokens."""
+    def _prompt_mask(self, pos: Tensor, k_len: int) -> Tensor:
+        """What prompt positions pos [B, T] see of keys [0, k_len): causal (AR)."""
+        return causal_mask(pos, k_len)
+
+    def _prefill_rows(self, batch: Batch, prompts: list[list[int]], cached: int = 0) -> None:
+        """The first forward of new rows (positions from `cached` on); it also commits their first tokens."""
         raise NotImplementedError
 
     def _step_rows(self, batch: Batch) -> None:
@@ -275,15 +279,41 @@ class Decoder:
         bs = self.block
         return -(-max(r.limit for r in rows) // bs) * bs + bs
 
-    def prefill(self, prompts: list[list[int]], rows: list[Row]) -> Batch:
-        """The first forward of new rows (it also commits their first tokens); call under inference_mode."""
+    def open_batch(self, prompts: list[list[int]], rows: list[Row]) -> Batch:
+        """The batch of new rows before any forward: prompts in the sequence, an empty cache."""
         max_len = self._max_len(rows)
         seq = torch.full((len(rows), max_len), self._fill_id(), dtype=torch.long, device=self.device)
         for b, p in enumerate(prompts):
             seq[b, :len(p)] = torch.tensor(p, dtype=torch.long, device=self.device)
-        batch = Batch(rows, seq, self._new_cache(len(rows), max_len) if self._wants_cache() else None)
-        self._prefill_rows(batch, prompts)
+        return Batch(rows, seq, self._new_cache(len(rows), max_len) if self.uses_cache() else None)
+
+    def prefill(self, prompts: list[list[int]], rows: list[Row], batch: Batch | None = None,
+                cached: int = 0) -> Batch:
+        """The first forward of new rows (it also commits their first tokens); call under inference_mode.
+        `batch` and `cached`: a batch from open_batch whose cache already holds the prompts' first `cached`
+        positions (prefill_chunk), so this forward covers only the rest."""
+        batch = batch if batch is not None else self.open_batch(prompts, rows)
+        self._prefill_rows(batch, prompts, cached)
         return self._retire(batch)
+
+    def chunk_limit(self, rows: list[Row]) -> int:
+        """How far prefill_chunk may fill the cache: the final prefill still covers what it reads logits from
+        (the last prompt position; for block diffusion, whole prompt blocks before the prompt's last one)."""
+        bs = self.block
+        return min((r.prompt_len - 1) // bs * bs for r in rows)
+
+    def prefill_chunk(self, batch: Batch, start: int, end: int) -> None:
+        """K/V of prompt positions [start, end) of every row into the cache, no logits read and nothing committed:
+        a long prompt prefilled in pieces between other batches' forwards (chunked prefill, engine/scheduler.py).
+        start and end must be multiples of the block, end <= chunk_limit(rows); call under inference_mode."""
+        if batch.cache is None or start % self.block or end % self.block or end > self.chunk_limit(batch.rows):
+            raise ValueError(f"prefill_chunk: [{start}, {end}) is not a whole-block piece of every row's prompt "
+                             f"up to {self.chunk_limit(batch.rows)} (block {self.block}; a cache is needed)")
+        pos = torch.arange(start, end, device=self.device)[None].expand(len(batch.rows), -1)
+        first = torch.zeros((len(batch.rows), 1), dtype=torch.long, device=self.device)
+        with wide_calls():  # the kernels of a prefill of this width
+            self.model(batch.seq[:, start:end], pos, batch.cache, start=start, kv_len=end,
+                       mask=self._prompt_mask(pos, end), logits_idx=first)
 
     def step(self, batch: Batch) -> Batch:
         """One forward for every live row; finished rows leave. Call under inference_mode."""

@@ -27,35 +27,39 @@ class DiffusionDecoder(Decoder):
     def _fill_id(self) -> int:
         return self.mask_id if self.mask_id is not None else 0
 
-    def _wants_cache(self) -> bool:
+    def uses_cache(self) -> bool:
         return self.cfg.cache != "none"
 
-    def _prefill_rows(self, batch: Batch, prompts: list[list[int]]) -> None:
-        self._prefill_diffusion(batch)
+    def _prompt_mask(self, pos: Tensor, k_len: int) -> Tensor:
+        return block_causal_mask(pos, k_len, self.cfg.block_size)
 
-    def prefill(self, prompts: list[list[int]], rows: list[Row]) -> Batch:
+    def _prefill_rows(self, batch: Batch, prompts: list[list[int]], cached: int = 0) -> None:
+        self._prefill_diffusion(batch, cached)
+
+    def open_batch(self, prompts: list[list[int]], rows: list[Row]) -> Batch:
         if self.mask_id is None:
             raise ValueError("mode: this model has no mask token |<MASK>|, so it cannot decode by "
                              "block diffusion; use mode 'ar'")
-        return super().prefill(prompts, rows)
+        return super().open_batch(prompts, rows)
 
     def _step_rows(self, batch: Batch) -> None:
         self._step_diffusion(batch)
 
-    def _prefill_diffusion(self, batch: Batch) -> None:
+    def _prefill_diffusion(self, batch: Batch, cached: int = 0) -> None:
         # Prefill: whole prompt blocks, plus the partial block (prompt tail + masks) when there is one, which
-        # makes the prefill also the first decoding step of that block.
+        # makes the prefill also the first decoding step of that block. With `cached` (whole blocks already in the
+        # cache: chunked prefill), the forward starts there; the block-causal rule is the same.
         rows, bs = batch.rows, self.cfg.block_size
         for r in rows:
             r.block_start = r.prompt_len // bs * bs
         ends = [r.block_start + (bs if r.prompt_len % bs else 0) for r in rows]
         width = max(ends)
-        pos = torch.arange(width, device=self.device)[None].expand(len(rows), -1)
+        pos = torch.arange(cached, width, device=self.device)[None].expand(len(rows), -1)
         valid = torch.tensor(ends, device=self.device)
         mask = block_causal_mask(pos, width, bs, valid)
-        targets = [self._targets(r, 0, e, full=True) for r, e in zip(rows, ends)]
-        logits = self.model(batch.seq[:, :width], pos, batch.cache, start=0, kv_len=width, mask=mask,
-                            logits_idx=self._idx(targets, [0] * len(rows)))
+        targets = [self._targets(r, cached, e, full=True) for r, e in zip(rows, ends)]
+        logits = self.model(batch.seq[:, cached:width], pos, batch.cache, start=cached, kv_len=width, mask=mask,
+                            logits_idx=self._idx(targets, [cached] * len(rows)))
         # an aligned prompt's prefill covers whole prompt blocks only: the new block's K/V are not there yet
         self._after_forward("prefill", rows, batch.seq, targets, logits, [r.prompt_len % bs != 0 for r in rows])
 

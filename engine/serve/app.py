@@ -35,7 +35,7 @@ from ..config import ConfigError
 from ..engine import Engine, Result
 from ..events import Event
 from ..loading import MASK_TOKEN
-from ..scheduler import MAX_BATCH, Scheduler, SchedulerBusy
+from ..scheduler import MAX_BATCH, PREFILL_CHUNK, Scheduler, SchedulerBusy
 from .request import (FINISH, MAX_BODY_BYTES, MAX_ECHO_DIFFUSION_TOKENS, MAX_JSON_DEPTH, MAX_PROMPT_CHARS, ApiError,
                       ApiRequest, _depth, _messages, _text, parse)
 from .response import Choice, LiveGroup, _echo_logprobs, _logprobs_json, usage
@@ -315,7 +315,8 @@ def create_app(engine: Engine, scheduler: Scheduler, model_id: str | None = None
 
 
 def serve(engine: Engine, host: str = "127.0.0.1", port: int = 8000, max_batch: int = MAX_BATCH, *,
-          api_key: str | None = None, allowed_origins: list[str] | tuple[str, ...] = ()) -> None:
+          api_key: str | None = None, allowed_origins: list[str] | tuple[str, ...] = (),
+          prefill_chunk: int = PREFILL_CHUNK) -> None:
     """Run the server until interrupted (`python -m engine serve`)."""
     import uvicorn
 
@@ -325,7 +326,7 @@ def serve(engine: Engine, host: str = "127.0.0.1", port: int = 8000, max_batch: 
         log.addHandler(h)
         log.setLevel(logging.INFO)
         log.propagate = False
-    sched = Scheduler(engine, max_batch=max_batch)
+    sched = Scheduler(engine, max_batch=max_batch, prefill_chunk=prefill_chunk)
     try:
         uvicorn.run(create_app(engine, sched, api_key=api_key, allowed_origins=allowed_origins), host=host, port=port,
                     log_level="info", access_log=False)  # our JSON line replaces uvicorn's access line
