@@ -1,5 +1,5 @@
 """Decoding a batch of prompts: the AR baseline (ar.py) and Fast-dLLM v2 block diffusion (diffusion.py), over the
-bookkeeping they share (base.py). `decoder_for` picks the decoder of a DecodeConfig's mode."""
+bookkeeping they share (base.py, rows.py). `decoder_for` picks the decoder of a DecodeConfig's mode."""
 from __future__ import annotations
 
 from typing import Any
@@ -8,7 +8,8 @@ from ..config import DecodeConfig
 from ..model import CausalLM
 from ..text import TokenBytes
 from .ar import SHARED_PREFIX_MIN, ARDecoder
-from .base import Batch, Cancel, Decoder, Row
+from .base import Decoder
+from .rows import Batch, Cancel, Row
 from .diffusion import DiffusionDecoder
 
 __all__ = ["ARDecoder", "Batch", "Cancel", "Decoder", "DiffusionDecoder", "Row", "SHARED_PREFIX_MIN", "decoder_for"]

@@ -7,7 +7,8 @@ import torch
 from torch import Tensor
 
 from ..model import KVCache, causal_mask, wide_calls
-from .base import Batch, Decoder
+from .base import Decoder
+from .rows import Batch
 from ..events import Token
 
 SHARED_PREFIX_MIN = 16  # AR prefill: a common prompt prefix this long gets its own one-row forward (see _prefill_rows)

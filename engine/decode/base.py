@@ -1,4 +1,4 @@
-"""What the two decoders share: rows and the batch, sampling, the repetition knobs, commits, events, retirement.
+"""What the two decoders share: sampling, the repetition knobs, commits, events, retirement (rows.py: their state).
 
 A Decoder decodes one batch of prompts, one Event per forward and row, then a 'done' Event per row. run() decodes to
 the end; prefill / step / merge / drop_cancelled go one forward at a time, so a scheduler can add rows between
@@ -8,8 +8,6 @@ diffusion.py (Fast-dLLM v2's block diffusion) each implement `_prefill_rows` and
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
-from typing import Protocol
 
 import torch
 from torch import Tensor
@@ -21,49 +19,7 @@ from ..penalties import NgramIndex, Penalties, apply_scales, ban
 from ..sampling import sample
 from ..static import StaticStepper
 from ..text import IncrementalDetokenizer, TokenBytes
-
-
-class Cancel(Protocol):
-    def is_set(self) -> bool: ...
-
-
-@dataclass
-class Row:
-    """Host-side state of one sequence of the batch."""
-
-    index: int  # row index in the caller's batch (stable while rows leave)
-    prompt_len: int
-    limit: int  # absolute end of allowed answer positions: prompt_len + max_new_tokens
-    detok: IncrementalDetokenizer
-    answer: list[int | None] = field(default_factory=list)  # answer-relative; None = still masked
-    block_start: int = 0
-    refreshed_sub: int = -1  # dual cache: sub-block whose block K/V were last refreshed
-    stop_at: int | None = None  # absolute position of the earliest committed stop token
-    emitted: int = 0  # contiguous answer tokens already given to the detokenizer
-    emitted_ar: int = 0  # AR: answer tokens produced so far
-    nfe: int = 0
-    first_token_t: float | None = None
-    done: str = ""  # stop reason once finished
-    summary: Summary | None = None  # set when the row leaves the batch
-    t0: float = 0.0  # perf_counter when this row's decode started (its events' clock)
-    listener: Listener | None = None  # this row's own listener (a scheduler's request), else the Decoder's
-    cancel: Cancel | None = None  # this row's own stop flag: only this row leaves the batch
-    prompt: list[int] = field(default_factory=list)  # the prompt's ids (repetition penalty context)
-    pen: Penalties = field(default_factory=Penalties)  # this row's repetition knobs (rows of a batch may differ)
-    ngrams: NgramIndex | None = None  # no_repeat_ngram_size > 0: the n-grams of prompt + committed answer
-    gen: torch.Generator | None = None  # sampling (temperature > 0): this row's own random stream, from its seed
-
-    def known(self, q: int) -> bool:
-        return q < self.prompt_len or self.answer[q - self.prompt_len] is not None
-
-
-@dataclass
-class Batch:
-    """Rows decoding together: row b of seq and of the cache belongs to rows[b]."""
-
-    rows: list[Row]
-    seq: Tensor  # [B, max_len] prompt + answer tokens (masks where undecided)
-    cache: KVCache | None
+from .rows import Batch, Cancel, Row
 
 
 class Decoder:

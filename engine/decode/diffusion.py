@@ -14,7 +14,8 @@ from torch import Tensor
 from ..events import Token
 from ..model import block_causal_mask
 from ..sampling import select_commits
-from .base import Batch, Decoder, Row
+from .base import Decoder
+from .rows import Batch, Row
 
 
 class DiffusionDecoder(Decoder):
