@@ -31,8 +31,6 @@ _cancels_lock = threading.Lock()
 _streams = 0  # decode_stream generators running now (visitors decoding at once): they share FRAME_SECONDS
 _streams_lock = threading.Lock()
 
-_schedulers: dict[Engine, Scheduler] = {}  # one per engine, for the process's life (its worker thread sleeps idle)
-_schedulers_lock = threading.Lock()
 
 try:  # Hugging Face ZeroGPU: the GPU generation function must be decorated; elsewhere nothing changes
     import spaces  # type: ignore[import-not-found]
@@ -61,10 +59,7 @@ def scheduler_for(engine: Any) -> Scheduler | None:
     straight to engine.generate_ids (a remote engine, ZeroGPU)."""
     if ZERO_GPU or not isinstance(engine, Engine):
         return None
-    with _schedulers_lock:
-        if engine not in _schedulers:
-            _schedulers[engine] = Scheduler(engine)
-        return _schedulers[engine]
+    return engine.scheduler
 
 
 def cancel_event(key: str) -> threading.Event:

@@ -35,6 +35,8 @@ class Engine:
         # static-shape decode steps (CUDA graphs on GPUs): default on for CUDA, off for CPU (FASTDLLM_STATIC)
         self.static = static_wanted(lm.device) if static is None else static
         self._steppers: dict[int, StaticStepper] = {}
+        self._scheduler: Any = None  # engine.scheduler.Scheduler, started on first use (start_scheduler)
+        self._scheduler_lock = threading.Lock()  # not self.lock: a decode holds that for its whole run
 
     @classmethod
     def load(cls, model: str | None = None, device: str | None = None, dtype: str | None = None,
@@ -50,6 +52,29 @@ class Engine:
                                                       quantum=256 if self.lm.device.type == "cuda" else 32,
                                                       compile=compile_wanted())
         return self._steppers[id(model)]
+
+    def start_scheduler(self, **settings: Any) -> Any:
+        """The engine's one Scheduler (continuous batching for many callers: the studio's visitors, the server's
+        clients), started with `settings` (max_batch, max_waiting, prefill_chunk) on the first call; later calls
+        return it as it is. Its worker thread sleeps while idle."""
+        from .scheduler import Scheduler  # (it imports this module)
+
+        with self._scheduler_lock:
+            if self._scheduler is None:
+                self._scheduler = Scheduler(self, **settings)
+            return self._scheduler
+
+    @property
+    def scheduler(self) -> Any:
+        """start_scheduler() with the default settings."""
+        return self.start_scheduler()
+
+    def close_scheduler(self) -> None:
+        """Stop the scheduler's worker (its waiting and running requests fail); the next use starts a new one."""
+        with self._scheduler_lock:
+            sched, self._scheduler = self._scheduler, None
+        if sched is not None:
+            sched.close()
 
     def graphs_report(self) -> dict:
         """CUDA graphs the static steps captured so far, and why capture failed if it did (for run reports)."""

@@ -399,7 +399,7 @@ def test_the_studio_on_a_remote_engine_sees_the_same_runs(api):
         assert tr.summary.nfe == 0 and tr.events[-1].kind == "done" and not any(e.committed for e in tr.events)
     finally:
         stream._engine = previous  # the studio module keeps one engine: give the other test modules theirs back
-        stream._schedulers.pop(api.engine).close()  # and the scheduler the local Studio started on this one
+        api.engine.close_scheduler()  # and the scheduler the local Studio started on this one
 
 
 def test_app_py_engine_url_builds_the_studio_on_the_server(api, monkeypatch):

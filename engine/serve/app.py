@@ -326,9 +326,9 @@ def serve(engine: Engine, host: str = "127.0.0.1", port: int = 8000, max_batch: 
         log.addHandler(h)
         log.setLevel(logging.INFO)
         log.propagate = False
-    sched = Scheduler(engine, max_batch=max_batch, prefill_chunk=prefill_chunk)
+    sched = engine.start_scheduler(max_batch=max_batch, prefill_chunk=prefill_chunk)
     try:
         uvicorn.run(create_app(engine, sched, api_key=api_key, allowed_origins=allowed_origins), host=host, port=port,
                     log_level="info", access_log=False)  # our JSON line replaces uvicorn's access line
     finally:
-        sched.close()
+        engine.close_scheduler()
