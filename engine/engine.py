@@ -35,6 +35,7 @@ class Engine:
         # static-shape decode steps (CUDA graphs on GPUs): default on for CUDA, off for CPU (FASTDLLM_STATIC)
         self.static = static_wanted(lm.device) if static is None else static
         self._steppers: dict[int, StaticStepper] = {}
+        self._all_steppers: list[StaticStepper] = []  # the scheduler's too (graphs_report)
         self._scheduler: Any = None  # engine.scheduler.Scheduler, started on first use (start_scheduler)
         self._scheduler_lock = threading.Lock()  # not self.lock: a decode holds that for its whole run
 
@@ -44,14 +45,24 @@ class Engine:
         return cls(load(model, device, dtype), static=static)
 
     def stepper(self, model: torch.nn.Module) -> StaticStepper | None:
-        """The static stepper of `model` (one per model: it owns the static KV cache and the graphs)."""
+        """The static stepper of `model` for direct generate() calls (one per model: it owns the static KV cache
+        and the graphs); None when the static path is off."""
         if not self.static:
             return None
         if id(model) not in self._steppers:
-            self._steppers[id(model)] = StaticStepper(model, graphs=graphs_wanted(self.lm.device),
-                                                      quantum=256 if self.lm.device.type == "cuda" else 32,
-                                                      compile=compile_wanted())
+            self._steppers[id(model)] = self.new_stepper(model)
         return self._steppers[id(model)]
+
+    def new_stepper(self, model: torch.nn.Module) -> StaticStepper | None:
+        """A static stepper with its own storage, or None: the one place that decides whether decode steps run on
+        the static path, captured as CUDA graphs, with compiled layers (direct calls and the scheduler's batches,
+        which each keep their own storage, ask here)."""
+        if not self.static:
+            return None
+        stepper = StaticStepper(model, graphs=graphs_wanted(self.lm.device),
+                                quantum=256 if self.lm.device.type == "cuda" else 32, compile=compile_wanted())
+        self._all_steppers.append(stepper)
+        return stepper
 
     def start_scheduler(self, **settings: Any) -> Any:
         """The engine's one Scheduler (continuous batching for many callers: the studio's visitors, the server's
@@ -78,7 +89,7 @@ class Engine:
 
     def graphs_report(self) -> dict:
         """CUDA graphs the static steps captured so far, and why capture failed if it did (for run reports)."""
-        steppers = list(self._steppers.values())
+        steppers = list({id(s): s for s in [*self._steppers.values(), *self._all_steppers]}.values())
         return {"static": self.static, "captured": sum(s.captured for s in steppers),
                 "error": next((s.graph_error for s in steppers if s.graph_error), None),
                 "compiled": any(s.layer_fn is not static_layer for s in steppers),

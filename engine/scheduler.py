@@ -113,6 +113,9 @@ class Scheduler:
         self.waiting: deque[Ticket] = deque()
         self.groups: dict[tuple, Group] = {}
         self.prefills: deque[Prefill] = deque()  # long prompts, one chunk a pass, first come first served
+        # static-shape steps (CUDA graphs on GPUs) where the engine runs them: one stepper per batch key, since
+        # batches of different keys take turns and each keeps its rows' K/V in its stepper's storage
+        self.steppers: dict[tuple, Any] = {}
         self.forwards = 0  # forwards run by the worker (prefills included): what batching saves
         self.running = 0  # rows in all batches after the worker's last pass (read from any thread)
         self._live = 0  # submitted, not finished: also counts a row between waiting and its batch (prefill)
@@ -202,8 +205,7 @@ class Scheduler:
                 by_key.setdefault(batch_key(t.cfg), []).append(t)
         for key, ts in by_key.items():
             g = self.groups.get(key)
-            dec = g.decoder if g else decoder_for(self._model(ts[0].cfg.mode), ts[0].cfg, self.engine.lm.mask_token_id,
-                                                  self.engine.tb)
+            dec = g.decoder if g else self._decoder(key, ts[0].cfg)
             long = [t for t in ts if dec.uses_cache() and len(t.ids) - 1 > self.prefill_chunk]
             for t in long:
                 try:
@@ -214,6 +216,15 @@ class Scheduler:
             short = [t for t in ts if t not in long]
             if short:
                 self._join(key, dec, short)
+
+    def _decoder(self, key: tuple, cfg: DecodeConfig) -> Decoder:
+        """A decoder for a new batch of this key: on the engine's static path when it has one (Engine.new_stepper
+        decides), its rows' prefills written to a plain cache and copied into the stepper's storage as they join."""
+        model = self._model(cfg.mode)
+        if key not in self.steppers:
+            self.steppers[key] = self.engine.new_stepper(model)
+        return decoder_for(model, cfg, self.engine.lm.mask_token_id, self.engine.tb, stepper=self.steppers[key],
+                           joins=True)
 
     def _rows(self, dec: Decoder, ts: list[Ticket]) -> list[Row]:
         rows = dec.new_rows([t.ids for t in ts], indices=[0] * len(ts), max_new=[t.cfg.max_new_tokens for t in ts],
@@ -237,7 +248,7 @@ class Scheduler:
             return
         g = self.groups.get(key)
         if g is None:
-            g = self.groups[key] = Group(dec, new, [])
+            g = self.groups[key] = Group(dec, dec.merge(None, new), [])
         else:
             g.batch = dec.merge(g.batch, new)
         g.tickets += ts

@@ -158,25 +158,46 @@ class StaticStepper:
     # ------------------------------------------------------------ cache
     def new_cache(self, batch: int, max_len: int) -> StaticKVCache:
         """A cache for `batch` rows of `max_len` positions; storage is reused while it is big enough."""
-        need = -(-(max_len + 1) // self.quantum) * self.quantum  # +1: the trash slot
-        rows = row_bucket(batch)  # room for the pad rows of its step shapes
-        if rows > self.rows or need > self.capacity:
-            self.rows, self.capacity = max(rows, self.rows), max(need, self.capacity)
-            cfg = self.model.cfg
-            shape = (cfg.num_hidden_layers, self.rows, cfg.num_key_value_heads, self.capacity, cfg.head_dim)
-            self.shapes.clear()  # graphs point into the old storage
-            # and a new pool: once its graphs are gone, the old pool's use count is 0, and capturing into it
-            # again fails an allocator assert (it->second->use_count > 0; seen on the H100 in selfinstruct)
-            self.pool = None
-            self.k = self.v = None
-            # zeros, not empty: masked keys still meet V in SDPA's math backend, and 0 * NaN would be NaN
-            self.k = torch.zeros(shape, device=self.device, dtype=self.dtype)
-            self.v = torch.zeros(shape, device=self.device, dtype=self.dtype)
-            self.keys = torch.arange(self.capacity, device=self.device)
-            # the model's own RoPE table (same values as the eager path), grown to the capacity once
-            self.model.rope(torch.tensor([self.capacity - 1], device=self.device), self.dtype)
-            self.cos, self.sin = self.model.rope._cos, self.model.rope._sin
+        self._room(row_bucket(batch), self._capacity_for(max_len), keep=0)
         return StaticKVCache(self.k, self.v, batch)
+
+    def join(self, running: StaticKVCache | None, kept: int, new: KVCache, added: int, max_len: int) -> StaticKVCache:
+        """Rows joining a running batch (continuous batching): the `kept` rows of `running` stay where they are,
+        the `added` rows of `new` (a plain cache their prefill wrote) are copied in after them. The storage grows
+        when it must, keeping what the running rows hold; its graphs are then captured again on their next step."""
+        self._room(row_bucket(kept + added), self._capacity_for(max_len), keep=kept if running is not None else 0)
+        t = min(new.k.shape[3], self.capacity)
+        self.k[:, kept:kept + added, :, :t] = new.k[:, :added, :, :t]
+        self.v[:, kept:kept + added, :, :t] = new.v[:, :added, :, :t]
+        return StaticKVCache(self.k, self.v, kept + added)
+
+    def _capacity_for(self, max_len: int) -> int:
+        return -(-(max_len + 1) // self.quantum) * self.quantum  # +1: the trash slot
+
+    def _room(self, rows: int, need: int, keep: int) -> None:
+        """Storage of at least `rows` rows and `need` positions; its first `keep` rows survive a regrowth."""
+        if rows <= self.rows and need <= self.capacity:
+            return
+        old_k, old_v, old_cap = getattr(self, "k", None), getattr(self, "v", None), self.capacity
+        self.rows, self.capacity = max(rows, self.rows), max(need, self.capacity)
+        cfg = self.model.cfg
+        shape = (cfg.num_hidden_layers, self.rows, cfg.num_key_value_heads, self.capacity, cfg.head_dim)
+        self.shapes.clear()  # graphs point into the old storage
+        # and a new pool: once its graphs are gone, the old pool's use count is 0, and capturing into it
+        # again fails an allocator assert (it->second->use_count > 0; seen on the H100 in selfinstruct)
+        self.pool = None
+        self.k = self.v = None
+        # zeros, not empty: masked keys still meet V in SDPA's math backend, and 0 * NaN would be NaN
+        self.k = torch.zeros(shape, device=self.device, dtype=self.dtype)
+        self.v = torch.zeros(shape, device=self.device, dtype=self.dtype)
+        if keep and old_k is not None:  # the running rows' K/V move with them (their positions are unchanged)
+            self.k[:, :keep, :, :old_cap - 1] = old_k[:, :keep, :, :old_cap - 1]  # not the old trash slot
+            self.v[:, :keep, :, :old_cap - 1] = old_v[:, :keep, :, :old_cap - 1]
+        del old_k, old_v
+        self.keys = torch.arange(self.capacity, device=self.device)
+        # the model's own RoPE table (same values as the eager path), grown to the capacity once
+        self.model.rope(torch.tensor([self.capacity - 1], device=self.device), self.dtype)
+        self.cos, self.sin = self.model.rope._cos, self.model.rope._sin
 
     # ------------------------------------------------------------ one step
     def step(self, ids: Tensor, pos: Tensor, cache: StaticKVCache, ends: list[int], logits_idx: Tensor,

@@ -156,3 +156,43 @@ def test_a_layer_that_cannot_compile_falls_back_and_says_why(engine):
     assert got == engine.generate(PROMPTS[:1], cfg)[0].summary.token_ids
     report = e.graphs_report()
     assert not report["compiled"] and "no kernel for this op" in report["compile_error"]
+
+
+@pytest.mark.parametrize("mode,cache", [("ar", "dual"), ("diffusion", "block"), ("diffusion", "dual")])
+def test_scheduler_batches_on_the_static_path_as_rows_join_mid_batch(engine, mode, cache):
+    """Continuous batching on static shapes (issue 24): the scheduler's batches step through a static stepper of
+    their own; a row that joins mid-batch has its prefilled K/V copied into the stepper's storage (which grows,
+    keeping the running rows', when it must). Each answer is the row's single-user answer (dual: greedy answers
+    of a batch may differ from single rows, so there the check is that every row finishes and the static path ran)."""
+    from engine.scheduler import Scheduler, batch_key
+
+    prompts = [engine.encode(engine.chat_prompt([{"role": "user", "content": p}])) for p in PROMPTS]
+    cfg = engine.decode_config(mode=mode, cache=cache, max_new_tokens=24)
+    single = [engine.generate_ids([p], cfg, record=False)[0].summary.token_ids for p in prompts]
+    static = Engine(engine.lm, static=True)
+    sched = Scheduler(static)
+    tickets: list = []
+    events = [0] * len(prompts)
+
+    def listener(i: int):
+        def on(_e) -> None:  # on the worker thread: each row's second event sends the next prompt
+            events[i] += 1
+            if events[i] == 2 and i + 1 < len(prompts):
+                tickets.append(sched.submit(prompts[i + 1], cfg, listener=listener(i + 1), record=False))
+        return on
+
+    try:
+        tickets.append(sched.submit(prompts[0], cfg, listener=listener(0), record=False))
+        for i in range(len(prompts)):  # each submitted by its predecessor's listener while that one decodes
+            tickets[i].wait(300)
+        got = [t.wait(300).summary for t in tickets]
+        assert len(got) == len(prompts)
+    finally:
+        sched.close()
+    stepper = sched.steppers[batch_key(cfg)]
+    assert stepper is not None and stepper.shapes, "the batches stepped through the scheduler's static stepper"
+    assert stepper.rows >= 2 and {r for (r, _, _) in stepper.shapes} >= {1, 2}, "rows joined a running batch"
+    if mode == "diffusion" and cache == "dual":
+        assert all(s.stop_reason in ("stop_token", "max_new_tokens") and s.answer_tokens for s in got)
+    else:
+        assert [s.token_ids for s in got] == single

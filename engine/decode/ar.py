@@ -27,7 +27,7 @@ class ARDecoder(Decoder):
     def _shared_prefix(self, prompts: list[list[int]], cache: KVCache | None) -> int:
         """Tokens every prompt of the batch starts with (a chat template's system turn), when worth one forward of
         their own: at least SHARED_PREFIX_MIN, and at least one token of every prompt left to prefill per row."""
-        if len(prompts) < 2 or cache is None or self.stepper is not None:
+        if len(prompts) < 2 or cache is None or (self.stepper is not None and not self.joins):
             return 0
         n = min(len(os.path.commonprefix(prompts)), min(len(p) for p in prompts) - 1)
         return n if n >= SHARED_PREFIX_MIN else 0

@@ -29,10 +29,12 @@ class Decoder:
 
     def __init__(self, model: CausalLM, cfg: DecodeConfig, mask_id: int | None, tb: TokenBytes,
                  listener: Listener | None = None, cancel: Cancel | None = None,
-                 stepper: StaticStepper | None = None):
+                 stepper: StaticStepper | None = None, joins: bool = False):
         self.model, self.cfg, self.mask_id, self.tb = model, cfg, mask_id, tb
         self.listener, self.cancel = listener, cancel
         self.stepper = stepper  # static-shape (CUDA graph) decode steps; None = CausalLM.forward
+        # rows join a running batch (a scheduler): prefills write a plain cache, merge copies it into the storage
+        self.joins = joins
         self.stop_ids = set(cfg.stop_token_ids)
         self.device = next(model.parameters()).device
 
@@ -103,7 +105,7 @@ class Decoder:
         return [t for t in row.answer[:end] if t is not None]
 
     def _new_cache(self, batch: int, max_len: int) -> KVCache:
-        if self.stepper is not None:
+        if self.stepper is not None and not self.joins:
             return self.stepper.new_cache(batch, max_len)
         return KVCache(self.model.cfg, batch, max_len, self.device, self._dtype())
 
@@ -283,12 +285,20 @@ class Decoder:
                 self._finish(r, "cancelled")
         return self._retire(batch)
 
-    def merge(self, a: Batch, b: Batch) -> Batch:
-        """Rows b join batch a (admission between forwards): seq and cache padded to the longer room."""
-        if self.stepper is not None:
-            raise ValueError("merge: the static stepper's cache has a fixed shape; a scheduler decodes without it")
-        if not a.rows or not b.rows:
-            return a if a.rows else b
+    def merge(self, a: Batch | None, b: Batch) -> Batch:
+        """Rows b join batch a (admission between forwards; a None or empty: b starts the batch): seq and cache
+        padded to the longer room. With a static stepper (built with joins=True, so b's prefill wrote a plain
+        cache) b's K/V are copied into the stepper's storage after a's rows: shapes stay the stepper's."""
+        if self.stepper is not None and b.cache is not None:
+            if not self.joins:
+                raise ValueError("merge: this decoder's prefills write the stepper's storage; build it with joins=True")
+            a = a if a is not None and a.rows else None
+            n = max(a.seq.shape[1] if a else 0, b.seq.shape[1])
+            pad = lambda t: torch.nn.functional.pad(t, (0, n - t.shape[1]), value=self._fill_id())  # noqa: E731
+            cache = self.stepper.join(a.cache if a else None, len(a.rows) if a else 0, b.cache, len(b.rows), n)
+            return Batch((a.rows if a else []) + b.rows, torch.cat([pad(a.seq), pad(b.seq)]) if a else b.seq, cache)
+        if a is None or not a.rows or not b.rows:
+            return a if a is not None and a.rows else b
         n = max(a.seq.shape[1], b.seq.shape[1])
         pad = lambda t: torch.nn.functional.pad(t, (0, n - t.shape[1]), value=self._fill_id())  # noqa: E731
         cache = a.cache.merged(b.cache) if a.cache is not None and b.cache is not None else None
