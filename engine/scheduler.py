@@ -27,6 +27,7 @@ from .events import Event, Listener, Summary, Trace
 
 MAX_BATCH = 16  # rows per batch; more requests wait for a row to finish
 MAX_WAITING = 64  # requests not yet admitted; more are refused (SchedulerBusy)
+IDLE_STEPPERS = 4  # static steppers kept for batch keys with no batch now (each holds its K/V storage and graphs)
 PREFILL_CHUNK = 256  # a longer prompt is prefilled this many tokens a pass, between the running batches' forwards
 
 
@@ -222,6 +223,10 @@ class Scheduler:
         decides), its rows' prefills written to a plain cache and copied into the stepper's storage as they join."""
         model = self._model(cfg.mode)
         if key not in self.steppers:
+            busy = set(self.groups) | {p.key for p in self.prefills}
+            idle = [k for k in self.steppers if k not in busy]  # oldest first (dicts keep insertion order)
+            for k in idle[:max(0, len(idle) - IDLE_STEPPERS + 1)]:  # many distinct settings must not pile up storage
+                del self.steppers[k]
             self.steppers[key] = self.engine.new_stepper(model)
         return decoder_for(model, cfg, self.engine.lm.mask_token_id, self.engine.tb, stepper=self.steppers[key],
                            joins=True)
@@ -242,15 +247,16 @@ class Scheduler:
             else:
                 new = dec.prefill([pre.ticket.ids], pre.batch.rows, batch=pre.batch, cached=pre.done)
             self.forwards += 1
+            g = self.groups.get(key)
+            merged = dec.merge(g.batch if g else None, new)  # (a static stepper's storage may have to grow)
         except Exception as exc:  # noqa: BLE001 - these requests fail; the running batch is untouched
             for t in ts:
                 self._complete(t, None, exc)
             return
-        g = self.groups.get(key)
         if g is None:
-            g = self.groups[key] = Group(dec, dec.merge(None, new), [])
+            g = self.groups[key] = Group(dec, merged, [])
         else:
-            g.batch = dec.merge(g.batch, new)
+            g.batch = merged
         g.tickets += ts
         self._deliver(key)
 

@@ -178,22 +178,30 @@ class StaticStepper:
         """Storage of at least `rows` rows and `need` positions; its first `keep` rows survive a regrowth."""
         if rows <= self.rows and need <= self.capacity:
             return
-        old_k, old_v, old_cap = getattr(self, "k", None), getattr(self, "v", None), self.capacity
-        self.rows, self.capacity = max(rows, self.rows), max(need, self.capacity)
+        rows, need = max(rows, self.rows), max(need, self.capacity)
         cfg = self.model.cfg
-        shape = (cfg.num_hidden_layers, self.rows, cfg.num_key_value_heads, self.capacity, cfg.head_dim)
+        shape = (cfg.num_hidden_layers, rows, cfg.num_key_value_heads, need, cfg.head_dim)
+        old_k, old_v, old_cap = (self.k, self.v, self.capacity) if keep else (None, None, 0)
+        self.k = self.v = None  # (without rows to keep, the old storage is freed before the new one is taken)
+        try:  # zeros, not empty: masked keys still meet V in SDPA's math backend, and 0 * NaN would be NaN
+            k = torch.zeros(shape, device=self.device, dtype=self.dtype)
+            v = torch.zeros(shape, device=self.device, dtype=self.dtype)
+        except RuntimeError:  # out of memory: running rows keep the storage they had; else there is none now
+            if keep:
+                self.k, self.v = old_k, old_v
+            else:
+                self.rows = self.capacity = 0
+                self.shapes.clear()
+            raise
+        if keep:  # the running rows' K/V move with them (their positions are unchanged; not the old trash slot)
+            k[:, :keep, :, :old_cap - 1] = old_k[:, :keep, :, :old_cap - 1]
+            v[:, :keep, :, :old_cap - 1] = old_v[:, :keep, :, :old_cap - 1]
+        del old_k, old_v
+        self.k, self.v, self.rows, self.capacity = k, v, rows, need
         self.shapes.clear()  # graphs point into the old storage
         # and a new pool: once its graphs are gone, the old pool's use count is 0, and capturing into it
         # again fails an allocator assert (it->second->use_count > 0; seen on the H100 in selfinstruct)
         self.pool = None
-        self.k = self.v = None
-        # zeros, not empty: masked keys still meet V in SDPA's math backend, and 0 * NaN would be NaN
-        self.k = torch.zeros(shape, device=self.device, dtype=self.dtype)
-        self.v = torch.zeros(shape, device=self.device, dtype=self.dtype)
-        if keep and old_k is not None:  # the running rows' K/V move with them (their positions are unchanged)
-            self.k[:, :keep, :, :old_cap - 1] = old_k[:, :keep, :, :old_cap - 1]  # not the old trash slot
-            self.v[:, :keep, :, :old_cap - 1] = old_v[:, :keep, :, :old_cap - 1]
-        del old_k, old_v
         self.keys = torch.arange(self.capacity, device=self.device)
         # the model's own RoPE table (same values as the eager path), grown to the capacity once
         self.model.rope(torch.tensor([self.capacity - 1], device=self.device), self.dtype)

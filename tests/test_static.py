@@ -196,3 +196,20 @@ def test_scheduler_batches_on_the_static_path_as_rows_join_mid_batch(engine, mod
         assert all(s.stop_reason in ("stop_token", "max_new_tokens") and s.answer_tokens for s in got)
     else:
         assert [s.token_ids for s in got] == single
+
+
+def test_scheduler_keeps_few_idle_static_steppers(engine):
+    """Each batch key gets its own static storage; keys with no batch now are dropped beyond IDLE_STEPPERS, so
+    clients that each send other settings do not pile up K/V storage (and graphs) on the GPU."""
+    from engine.scheduler import IDLE_STEPPERS, Scheduler
+
+    sched = Scheduler(Engine(engine.lm, static=True))
+    ids = engine.encode(engine.chat_prompt([{"role": "user", "content": "Hi"}]))
+    try:
+        for i in range(IDLE_STEPPERS + 3):  # distinct thresholds: distinct batch keys, one after the other
+            sched.submit(ids, engine.decode_config(mode="ar", max_new_tokens=2, threshold=0.5 + 0.05 * i),
+                         record=False).wait(120)
+            assert len(sched.steppers) <= IDLE_STEPPERS + 1
+    finally:
+        sched.close()
+    assert all(s is not None for s in sched.steppers.values())
