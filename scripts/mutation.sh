@@ -25,7 +25,7 @@ TESTS[quant]="tests/test_quant.py::test_q4_1_blocks_dequantise_to_the_converted_
 FILES[serve]="engine/serve/request.py"; SOURCES[serve]="engine/"  # the request validation
 TESTS[serve]="tests/test_serve.py"
 FILES[recipe]="training/recipe.py";    SOURCES[recipe]="training/ engine/"
-TESTS[recipe]="tests/test_training.py"
+TESTS[recipe]="tests/test_training.py tests/test_recipe_exact.py"
 FILES[checker]="grading/checker.py";   SOURCES[checker]="grading/ bench/ engine/"
 TESTS[checker]="tests/test_data.py tests/test_longform.py"
 FILES[finish]="engine/finish.py";      SOURCES[finish]="engine/"
