@@ -119,3 +119,41 @@ def test_batch_attention_and_device_move_keep_every_field():
     for name in Batch.__slots__:
         a, b = getattr(f, name), getattr(moved, name)
         assert (torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b), name
+
+
+def test_loss_parts_is_the_mean_masked_ce_plus_the_certainty_term_exactly():
+    """ce = sum of cross-entropies over the loss slots / loss_tokens; with certainty forcing, + w x the mean entropy
+    of softmax(logits / T) over the slots whose argmax is already the target; `correct` = their share."""
+    import torch.nn.functional as F
+
+    from test_training import tiny_model
+    from training.recipe import LossConfig, batch_loss, loss_parts
+
+    tiny = tiny_model(3)
+
+    def model(*a, **k):  # the tiny model, leaning towards token 13: the slots whose target is 13 are right
+        out = tiny(*a, **k)
+        out[..., 13] = out.max(-1).values + 1.0  # first by one logit: a confident but not one-hot slot
+        return out
+
+    b = build_batch(EX, NOISE, recipe="full", block_size=4, mask_id=1, pad_id=P)
+    logits = model(b.ids, b.pos, mask=b.mask, logits_idx=b.logits_idx).float().flatten(0, 1)
+    tgt = b.targets.flatten()
+    keep = tgt != IGNORE
+    ce = F.cross_entropy(logits[keep], tgt[keep], reduction="sum") / b.loss_tokens
+    plain = loss_parts(model, b, "dense")
+    assert set(plain) == {"loss", "ce"} and torch.allclose(plain["ce"], ce) and torch.allclose(plain["loss"], ce)
+    assert torch.allclose(batch_loss(model, b, "dense"), ce)
+    correct = logits[keep].argmax(-1) == tgt[keep]
+    assert 0 < int(correct.sum()) < int(keep.sum())  # some slots right, some wrong
+    for w, temp in ((0.5, 0.5), (2.0, 1.0)):
+        got = loss_parts(model, b, "dense", LossConfig(certainty_weight=w, certainty_temperature=temp))
+        logp = F.log_softmax(logits[keep][correct] / temp, -1)
+        ent = -(logp.exp() * logp).sum(-1).sum() / max(int(correct.sum()), 1)
+        assert float(ent) > 0.1 and torch.allclose(got["entropy"], ent) and torch.allclose(got["loss"], ce + w * ent)
+        assert torch.allclose(got["ce"], ce) and float(got["correct"]) == float(correct.float().mean())
+    for kw, msg in (({"certainty_weight": -1.0}, r"certainty_weight must be >= 0 \(got -1.0\)"),
+                    ({"certainty_temperature": 0.0}, r"certainty_temperature must be > 0 \(got 0.0\)")):
+        with pytest.raises(ValueError, match=msg):
+            LossConfig(**kw)
+    assert LossConfig() == LossConfig(0.0, 0.5)  # the paper's loss by default
