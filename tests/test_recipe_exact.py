@@ -52,6 +52,8 @@ def test_noise_arguments_are_checked_with_their_names():
     for sub in (1, 3):
         with pytest.raises(ValueError, match="sub_block_size must be >= 2 and divide block_size 4"):
             draw_noise(ex, 4, torch.Generator(), later=0.5, sub_block_size=sub)
+    draw_noise(Example([1] * 40, prompt_len=1), 32, torch.Generator(), later=0.5)  # the default sub-block (8) divides 32
+    draw_noise(ex, 4, torch.Generator(), later=0.5, sub_block_size=2)  # the smallest sub-block is allowed
     assert torch.equal(draw_noise(ex, 4, torch.Generator().manual_seed(0), later=0.0, sub_block_size=3),
                        draw_noise(ex, 4, torch.Generator().manual_seed(0)))  # l = 0 never looks at the sub-block
 
@@ -131,9 +133,10 @@ def test_loss_parts_is_the_mean_masked_ce_plus_the_certainty_term_exactly():
 
     tiny = tiny_model(3)
 
-    def model(*a, **k):  # the tiny model, leaning towards token 13: the slots whose target is 13 are right
+    def model(*a, **k):  # the tiny model, with the first slot of each row right
         out = tiny(*a, **k)
-        out[..., 13] = out.max(-1).values + 1.0  # first by one logit: a confident but not one-hot slot
+        top = out.max(-1).values  # first slot of each row made right by a logit or so: confident, not one-hot
+        out[0, 0, 13], out[1, 0, 22] = top[0, 0] + 1.0, top[1, 0] + 1.5
         return out
 
     b = build_batch(EX, NOISE, recipe="full", block_size=4, mask_id=1, pad_id=P)
@@ -145,15 +148,31 @@ def test_loss_parts_is_the_mean_masked_ce_plus_the_certainty_term_exactly():
     assert set(plain) == {"loss", "ce"} and torch.allclose(plain["ce"], ce) and torch.allclose(plain["loss"], ce)
     assert torch.allclose(batch_loss(model, b, "dense"), ce)
     correct = logits[keep].argmax(-1) == tgt[keep]
-    assert 0 < int(correct.sum()) < int(keep.sum())  # some slots right, some wrong
+    assert 1 < int(correct.sum()) < int(keep.sum())  # some slots right (two: a mean, not a sum), some wrong
     for w, temp in ((0.5, 0.5), (2.0, 1.0)):
         got = loss_parts(model, b, "dense", LossConfig(certainty_weight=w, certainty_temperature=temp))
         logp = F.log_softmax(logits[keep][correct] / temp, -1)
         ent = -(logp.exp() * logp).sum(-1).sum() / max(int(correct.sum()), 1)
         assert float(ent) > 0.1 and torch.allclose(got["entropy"], ent) and torch.allclose(got["loss"], ce + w * ent)
         assert torch.allclose(got["ce"], ce) and float(got["correct"]) == float(correct.float().mean())
+        assert torch.allclose(batch_loss(model, b, "dense", LossConfig(w, temp)), got["loss"])
     for kw, msg in (({"certainty_weight": -1.0}, r"certainty_weight must be >= 0 \(got -1.0\)"),
                     ({"certainty_temperature": 0.0}, r"certainty_temperature must be > 0 \(got 0.0\)")):
         with pytest.raises(ValueError, match=msg):
             LossConfig(**kw)
     assert LossConfig() == LossConfig(0.0, 0.5)  # the paper's loss by default
+
+
+def test_a_batch_with_one_loss_token_is_its_cross_entropy():
+    """The mean divides by the loss tokens: one masked token gives its own cross-entropy (not half of it)."""
+    import torch.nn.functional as F
+
+    from test_training import tiny_model
+    from training.recipe import loss_parts
+
+    model = tiny_model(4)
+    one = [Example([11, 12, 13, 14], prompt_len=2)]
+    b = build_batch(one, [torch.tensor([False, False, False, True])], recipe="naive", block_size=4, mask_id=1, pad_id=P)
+    assert b.loss_tokens == 1
+    logits = model(b.ids, b.pos, mask=b.mask, logits_idx=b.logits_idx).float()[0]
+    assert torch.allclose(loss_parts(model, b, "dense")["ce"], F.cross_entropy(logits, b.targets[0]))
