@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import threading
+import weakref
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -35,7 +36,8 @@ class Engine:
         # static-shape decode steps (CUDA graphs on GPUs): default on for CUDA, off for CPU (FASTDLLM_STATIC)
         self.static = static_wanted(lm.device) if static is None else static
         self._steppers: dict[int, StaticStepper] = {}
-        self._all_steppers: list[StaticStepper] = []  # the scheduler's too (graphs_report)
+        # every stepper made, the scheduler's too (graphs_report); weak, so a stepper the scheduler drops frees its storage
+        self._all_steppers: weakref.WeakSet[StaticStepper] = weakref.WeakSet()
         self._scheduler: Any = None  # engine.scheduler.Scheduler, started on first use (start_scheduler)
         self._scheduler_lock = threading.Lock()  # not self.lock: a decode holds that for its whole run
 
@@ -61,7 +63,7 @@ class Engine:
             return None
         stepper = StaticStepper(model, graphs=graphs_wanted(self.lm.device),
                                 quantum=256 if self.lm.device.type == "cuda" else 32, compile=compile_wanted())
-        self._all_steppers.append(stepper)
+        self._all_steppers.add(stepper)
         return stepper
 
     def start_scheduler(self, **settings: Any) -> Any:

@@ -203,7 +203,10 @@ def test_scheduler_keeps_few_idle_static_steppers(engine):
     clients that each send other settings do not pile up K/V storage (and graphs) on the GPU."""
     from engine.scheduler import IDLE_STEPPERS, Scheduler
 
-    sched = Scheduler(Engine(engine.lm, static=True))
+    import gc
+
+    static = Engine(engine.lm, static=True)
+    sched = Scheduler(static)
     ids = engine.encode(engine.chat_prompt([{"role": "user", "content": "Hi"}]))
     try:
         for i in range(IDLE_STEPPERS + 3):  # distinct thresholds: distinct batch keys, one after the other
@@ -212,4 +215,6 @@ def test_scheduler_keeps_few_idle_static_steppers(engine):
             assert len(sched.steppers) <= IDLE_STEPPERS + 1
     finally:
         sched.close()
+    gc.collect()
+    assert len(list(static._all_steppers)) == len(sched.steppers)  # a dropped stepper is gone, storage and all
     assert all(s is not None for s in sched.steppers.values())
