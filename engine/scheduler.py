@@ -35,6 +35,11 @@ class SchedulerBusy(RuntimeError):
     """The waiting line is full: retry later (HTTP 503)."""
 
 
+def not_started() -> Summary:
+    """The summary of a request cancelled before its first forward."""
+    return Summary(0, 0, 0.0, 0.0, 0.0, 0.0, "cancelled", "", [])
+
+
 def batch_key(cfg: DecodeConfig) -> tuple:
     """Requests with equal keys share forwards: every setting but the per-row answer cap, repetition knobs and
     seed (Decoder.new_rows takes them row by row; each row samples from its own generator)."""
@@ -201,7 +206,7 @@ class Scheduler:
         by_key: dict[tuple, list[Ticket]] = {}
         for t in tickets:
             if t.stop.is_set():  # cancelled while waiting: never decoded
-                self._complete(t, Summary(0, 0, 0.0, 0.0, 0.0, 0.0, "cancelled", "", []))
+                self._complete(t, not_started())
             else:
                 by_key.setdefault(batch_key(t.cfg), []).append(t)
         for key, ts in by_key.items():
@@ -267,7 +272,7 @@ class Scheduler:
         p = self.prefills[0]
         if p.ticket.stop.is_set():  # cancelled mid-prefill: no answer was started
             self.prefills.popleft()
-            self._complete(p.ticket, Summary(0, 0, 0.0, 0.0, 0.0, 0.0, "cancelled", "", []))
+            self._complete(p.ticket, not_started())
             return
         if p.limit - p.done <= self.prefill_chunk:  # the rest fits one forward: the final prefill, then its batch
             self.prefills.popleft()

@@ -111,3 +111,22 @@ def test_a_short_request_is_not_stuck_behind_a_long_prompt(engine):
     assert order == ["short", "long"]  # the short answer's first token came while the long prompt prefilled
     assert got == alone
     assert sched.forwards >= 1 + len(long_ids) // 256  # the long prompt's chunks were forwards of their own
+
+
+def test_a_long_prompt_cancelled_while_it_prefills_leaves_at_once(engine):
+    """Stop during the chunks: the request ends 'cancelled' before its first token, no further chunk runs."""
+    long_ids = engine.encode(engine.chat_prompt([{"role": "user", "content": "Summarise: " + "lorem ipsum " * 300}]))
+    cfg = engine.decode_config(mode="ar", max_new_tokens=8)
+    sched = Scheduler(engine, prefill_chunk=64)
+    try:
+        t = sched.submit(long_ids, cfg, record=False)
+        while sched.forwards < 2:  # two chunks in, many to go
+            t.finished.wait(0.01)
+        t.cancel()
+        res = t.wait(60).summary
+        forwards = sched.forwards
+    finally:
+        sched.close()
+    assert res.stop_reason == "cancelled" and res.answer_tokens == 0 and res.nfe == 0
+    assert forwards < len(long_ids) // 64  # it did not prefill to the end
+    assert sched.in_flight == 0

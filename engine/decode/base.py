@@ -289,20 +289,22 @@ class Decoder:
         """Rows b join batch a (admission between forwards; a None or empty: b starts the batch): seq and cache
         padded to the longer room. With a static stepper (built with joins=True, so b's prefill wrote a plain
         cache) b's K/V are copied into the stepper's storage after a's rows: shapes stay the stepper's."""
-        if self.stepper is not None and b.cache is not None:
-            if not self.joins:
-                raise ValueError("merge: this decoder's prefills write the stepper's storage; build it with joins=True")
-            a = a if a is not None and a.rows else None
-            n = max(a.seq.shape[1] if a else 0, b.seq.shape[1])
-            pad = lambda t: torch.nn.functional.pad(t, (0, n - t.shape[1]), value=self._fill_id())  # noqa: E731
-            cache = self.stepper.join(a.cache if a else None, len(a.rows) if a else 0, b.cache, len(b.rows), n)
-            return Batch((a.rows if a else []) + b.rows, torch.cat([pad(a.seq), pad(b.seq)]) if a else b.seq, cache)
-        if a is None or not a.rows or not b.rows:
-            return a if a is not None and a.rows else b
-        n = max(a.seq.shape[1], b.seq.shape[1])
+        a = a if a is not None and a.rows else None
+        static = self.stepper is not None and b.cache is not None
+        if static and not self.joins:
+            raise ValueError("merge: this decoder's prefills write the stepper's storage; build it with joins=True")
+        if a is None and not static:
+            return b
+        if not b.rows and not static:
+            return a
+        n = max(a.seq.shape[1] if a else 0, b.seq.shape[1])
         pad = lambda t: torch.nn.functional.pad(t, (0, n - t.shape[1]), value=self._fill_id())  # noqa: E731
-        cache = a.cache.merged(b.cache) if a.cache is not None and b.cache is not None else None
-        return Batch(a.rows + b.rows, torch.cat([pad(a.seq), pad(b.seq)]), cache)
+        seq = torch.cat([pad(a.seq), pad(b.seq)]) if a else b.seq
+        if static:
+            cache = self.stepper.join(a.cache if a else None, len(a.rows) if a else 0, b.cache, len(b.rows), n)
+        else:
+            cache = a.cache.merged(b.cache) if a.cache is not None and b.cache is not None else None
+        return Batch((a.rows if a else []) + b.rows, seq, cache)
 
     def _retire(self, batch: Batch) -> Batch:
         """Finished rows leave the batch (their summary is kept)."""
