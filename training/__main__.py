@@ -49,7 +49,8 @@ def train_config(a: argparse.Namespace):
         sub_block_size=a.sub_block_size, certainty_weight=a.certainty_weight,
         certainty_temperature=a.certainty_temperature, export_to=a.export_to, export_max_mib=a.export_max_mib,
         seed=a.seed, save_every_s=a.save_every_s, save_every_steps=a.save_every_steps, max_steps=a.max_steps,
-        minutes=a.minutes, limit=a.limit, val_size=a.val_size, init_from=a.init_from)
+        minutes=a.minutes, limit=a.limit, val_size=a.val_size, init_from=a.init_from, full=a.full,
+        accelerate=a.accelerate, stream=a.stream, shuffle_buffer=a.shuffle_buffer)
 
 
 def cmd_train(a: argparse.Namespace) -> None:
@@ -88,8 +89,13 @@ def cmd_throughput(a: argparse.Namespace) -> None:
 
 
 def cmd_export(a: argparse.Namespace) -> None:
-    from .export import export, merge
+    from .export import export, export_full, is_full, merge
 
+    if is_full(a.run, a.checkpoint):  # full fine-tuning: the whole model, no adapter
+        if a.merge_to is None:
+            raise SystemExit("export: a full fine-tuning run is written as a checkpoint directory: pass --merge-to DIR")
+        print(f"full fine-tuned checkpoint: {export_full(a.run, a.merge_to, a.checkpoint, a.merge_dtype)}")
+        return
     print(export(a.run, a.out, checkpoint=a.checkpoint, after=a.after))
     if a.merge_to is not None:
         print(f"merged checkpoint: {merge(a.out, a.base, a.merge_to, a.merge_dtype)}")
@@ -270,6 +276,14 @@ def parser() -> argparse.ArgumentParser:
     t.add_argument("--init-from", type=Path, default=None,
                    help="new run only: start from the adapter weights of this checkpoint (or a run directory's latest), or of an exported adapter file "
                         "(.safetensors, e.g. the shipped one; LoRA read back from bf16); fresh optimiser/schedule")
+    t.add_argument("--full", action="store_true",
+                   help="full fine-tuning (every weight; the paper's setting) instead of LoRA; export with --merge-to")
+    t.add_argument("--accelerate", action="store_true",
+                   help="run through accelerate (DDP/FSDP, bf16, accelerate checkpoints); implied under "
+                        "`accelerate launch`/torchrun with more than one process (training/README.md)")
+    t.add_argument("--stream", action="store_true",
+                   help="stream the data (one pass per epoch through a shuffle buffer) instead of loading it all")
+    t.add_argument("--shuffle-buffer", type=int, default=10_000, help="examples the --stream shuffle mixes")
     t.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     t.set_defaults(func=cmd_train)
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterable, Sequence
+from typing import Callable, Iterable, Iterator, Sequence
 
 from .finish import FinishStats, Pieces, finish_answer, finish_shards
 from .shards import shard_paths
@@ -50,8 +50,15 @@ def load_examples(path: Path, tok, stop_id: int, max_len: int, answers: str = "f
     """
     if path.is_dir():
         return load_shard_examples(path, stop_id, max_len, answers, min_answer, decode=tok.decode)
-    out: list[Example] = []
-    stats, piece = FinishStats(), Pieces(tok.decode)
+    stats = FinishStats()
+    out = list(iter_chat_examples(path, tok, stop_id, max_len, answers, min_answer, stats))
+    return out, stats.to_json() | {"answers": answers}
+
+
+def iter_chat_examples(path: Path, tok, stop_id: int, max_len: int, answers: str = "finish", min_answer: int = 1,
+                       stats: FinishStats | None = None) -> Iterator[Example]:
+    """Chat JSONL record by record under the answers policy (load_examples' reader; training/stream.py's too)."""
+    stats, piece = stats if stats is not None else FinishStats(), Pieces(tok.decode)
     with path.open() as f:
         for line in f:
             if not line.strip():
@@ -67,8 +74,7 @@ def load_examples(path: Path, tok, stop_id: int, max_len: int, answers: str = "f
             ids = finish_answer(ex.ids[:ex.prompt_len], answer, stopped, max_len=max_len, stop_id=stop_id,
                                 piece=piece, policy=answers, stats=stats, min_answer=min_answer)
             if ids is not None:
-                out.append(Example(ids, ex.prompt_len))
-    return out, stats.to_json() | {"answers": answers}
+                yield Example(ids, ex.prompt_len)
 
 
 def load_shard_examples(path: Path, stop_id: int, max_len: int, answers: str = "finish", min_answer: int = 1,

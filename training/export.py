@@ -70,3 +70,27 @@ def merge(adapter: Path, base_spec: str, out_dir: Path, dtype: str = "bfloat16")
     src = resolve_source(base_spec)
     model = apply_adapter(build_model(src.path, torch.device("cpu"), torch.float32), adapter)
     return fast_dllm_format.write(model, load_tokenizer(src.path, add_mask_token=True), out_dir, dtype)
+
+
+def _checkpoint(run: Path, checkpoint: Path | None) -> Path:
+    ckpt = checkpoint or latest_checkpoint(run)
+    if ckpt is None or not ckpt.exists():
+        raise FileNotFoundError(f"no checkpoint in {run} (train first: python -m training train --run {run})")
+    return ckpt
+
+
+def is_full(run: Path, checkpoint: Path | None = None) -> bool:
+    """Whether the run fine-tuned every weight (`train --full`)."""
+    ckpt = checkpoint or latest_checkpoint(run)
+    if ckpt is None or not ckpt.exists():
+        return False
+    sd = torch.load(ckpt, map_location="cpu", weights_only=False, mmap=True)  # mmap: no tensor is read
+    return bool(sd["config"].get("full", False))
+
+
+def export_full(run: Path, out_dir: Path, checkpoint: Path | None = None, dtype: str = "bfloat16") -> Path:
+    """A full fine-tuning checkpoint -> a Fast_dLLM_v2 checkpoint directory (training/full.py)."""
+    from .full import export_checkpoint
+
+    sd = torch.load(_checkpoint(run, checkpoint), map_location="cpu", weights_only=False)
+    return export_checkpoint(sd, out_dir, dtype)

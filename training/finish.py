@@ -23,7 +23,7 @@ import os
 import re
 from pathlib import Path
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Callable, Iterator, Sequence
 
 from engine.finish import LOOP_MIN_NGRAMS, LOOP_N, LOOP_SHARE, is_looping
 
@@ -155,19 +155,27 @@ def finish_shards(path: Path, stop_id: int, max_len: int, policy: str = "finish"
     """A self-instruct directory's shards under a policy: (ids, prompt length) of each kept sequence, in shard
     order and each prompt once (a key seen in an earlier shard is skipped), and the policy's counts.
     `decode(ids) -> str` is the tokenizer's; the loop rule and the sentence ends need it."""
+    stats, dup = FinishStats(), [0]
+    out = list(iter_finished_shards(path, stop_id, max_len, policy, min_answer, decode, stats, dup))
+    return out, stats.to_json() | {"duplicate_keys": dup[0], "answers": policy}
+
+
+def iter_finished_shards(path: Path, stop_id: int, max_len: int, policy: str = "finish", min_answer: int = 1,
+                         decode: Callable[[list[int]], str] | None = None, stats: FinishStats | None = None,
+                         duplicates: list[int] | None = None) -> Iterator[tuple[list[int], int]]:
+    """finish_shards one example at a time (one shard in memory; the seen keys, 8 bytes each, are kept)."""
     from .shards import shard_paths, stored_examples
 
     if not shard_paths(path):
         raise FileNotFoundError(f"data: no shard-*.npz in {path} (run: python -m training selfinstruct --out {path})")
     if decode is None:
         raise ValueError("finish_shards: pass the tokenizer's decode (the answers policy reads the text)")
-    out: list[tuple[list[int], int]] = []
-    stats, piece = FinishStats(), Pieces(decode)
-    duplicates = 0
+    stats, piece = stats if stats is not None else FinishStats(), Pieces(decode)
     seen: set[int] = set()
     for name, key, prompt, answer, stopped in stored_examples(path):
         if key in seen:
-            duplicates += 1
+            if duplicates is not None:
+                duplicates[0] += 1
             continue
         seen.add(key)
         try:
@@ -176,8 +184,7 @@ def finish_shards(path: Path, stop_id: int, max_len: int, policy: str = "finish"
         except ValueError as e:
             raise ValueError(f"data: {name}: {e}") from None
         if ids is not None:
-            out.append((ids, len(prompt)))
-    return out, stats.to_json() | {"duplicate_keys": duplicates, "answers": policy}
+            yield ids, len(prompt)
 
 
 def write_report(data: Path, max_lens: Sequence[int]) -> dict:

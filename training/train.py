@@ -66,6 +66,10 @@ class TrainConfig:
     limit: int | None = None
     val_size: int = 0
     init_from: Path | None = None  # start a new run from another run's trained weights (not its optimiser)
+    full: bool = False  # full fine-tuning (every weight, fp32 masters) instead of LoRA (training/full.py)
+    accelerate: bool = False  # run under accelerate (DDP/FSDP, training/distributed.py); on by itself under a launcher
+    stream: bool = False  # read the data as a stream (training/stream.py) instead of holding every example
+    shuffle_buffer: int = 10_000  # examples the stream shuffles among (--stream)
     progress: bool = True
     extra: dict = field(default_factory=dict)  # recorded in checkpoints and the adapter's metadata
 
@@ -94,6 +98,11 @@ class TrainConfig:
                              f"(got {self.sub_block_size})")
         if self.export_max_mib <= 0:
             raise ValueError(f"export_max_mib must be > 0 (got {self.export_max_mib})")
+        if self.full and (self.export_to is not None or self.init_from is not None):
+            raise ValueError("full fine-tuning: export_to / init_from are adapter features; export the run with "
+                             "`python -m training export --merge-to DIR`")
+        if self.shuffle_buffer < 1:
+            raise ValueError(f"shuffle_buffer must be >= 1 (got {self.shuffle_buffer})")
         self.loss_config()  # validates the certainty-forcing settings
 
     def loss_config(self) -> LossConfig:
@@ -168,10 +177,15 @@ class Trainer:
         if cfg.export_to is not None and mask_id < self.base_vocab:
             raise ValueError("export_to: the mask token overrides a spare embedding row (Qwen2.5); "
                              "use `python -m training export`, which writes the whole embedding")
-        if cfg.bf16 and cfg.bf16_weights:
-            for p in model.parameters():  # parameters only: the rotary inv_freq buffer stays fp32
-                p.data = p.data.to(torch.bfloat16)
-        self.names = add_adapter(model, cfg.rank, cfg.alpha, cfg.seed, cfg.train_norms, new_token_id=mask_id)
+        if cfg.full:  # every weight is an fp32 master; bf16 compute comes from autocast alone
+            from .full import make_full
+
+            self.names = make_full(model, mask_id)
+        else:
+            if cfg.bf16 and cfg.bf16_weights:
+                for p in model.parameters():  # parameters only: the rotary inv_freq buffer stays fp32
+                    p.data = p.data.to(torch.bfloat16)
+            self.names = add_adapter(model, cfg.rank, cfg.alpha, cfg.seed, cfg.train_norms, new_token_id=mask_id)
         self.params = [p for n, p in model.named_parameters() if p.requires_grad]
         self.opt = torch.optim.AdamW(self.params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.99),
                                      fused=self.params[0].is_cuda or None)  # one kernel for ~200 LoRA tensors
@@ -187,6 +201,7 @@ class Trainer:
         self.history: list[dict] = []
         self.prior_phases: list[dict] = []  # the runs this one was initialised from (--init-from), earliest first
         self.exported_step: int | None = None
+        self.is_main = True  # the process that logs and writes files (training/distributed.py: rank 0)
 
     # ------------------------------------------------------------------ data
     def order(self, epoch: int) -> list[int]:
@@ -213,12 +228,17 @@ class Trainer:
         """
         exs = self.step_examples()
         noise = [self.draw(ex, self.noise_gen) for ex in exs]
-        micro = self.cfg.micro_batch or self.cfg.batch_size
+        exs, noise = self.shard(exs, noise)
+        micro = min(self.cfg.micro_batch or self.cfg.batch_size, len(exs))
         if micro == len(exs):
             return [self.make_batch(exs, noise)]
         order = sorted(range(len(exs)), key=lambda i: len(exs[i].ids))
         return [self.make_batch([exs[i] for i in order[j:j + micro]], [noise[i] for i in order[j:j + micro]])
                 for j in range(0, len(order), micro)]
+
+    def shard(self, exs: list[Example], noise: list) -> tuple[list[Example], list]:
+        """This process's part of the step (noise was drawn for the whole step): here all of it."""
+        return exs, noise
 
     def autocast(self):
         return torch.autocast("cpu" if self.device.type == "cpu" else self.device.type, dtype=torch.bfloat16,
@@ -340,6 +360,10 @@ class Trainer:
         return adapter_io.write(out, tensors, cfg.alpha / cfg.rank, meta, int(cfg.export_max_mib * 2**20))
 
     # ------------------------------------------------------------------ loop
+    def agree(self, flag: bool) -> bool:
+        """A decision taken from this process's clock (training/distributed.py: any process's, for all)."""
+        return flag
+
     def run(self, run: Path) -> None:
         cfg = self.cfg
         stop_at = min(self.total_steps, cfg.max_steps if cfg.max_steps is not None else self.total_steps)
@@ -347,9 +371,9 @@ class Trainer:
         last_save = t_start
         tok0, answers, t_seg = self.tokens_seen, 0, t_start
         run.mkdir(parents=True, exist_ok=True)
-        log = (run / "log.jsonl").open("a")
+        log = (run / "log.jsonl").open("a") if self.is_main else open(os.devnull, "w")
         bar = tqdm(total=self.total_steps, initial=self.step, desc="train", unit="step", dynamic_ncols=True,
-                   disable=not cfg.progress, mininterval=5.0)
+                   disable=not (cfg.progress and self.is_main), mininterval=5.0)
         ema = None
         while self.step < stop_at:
             t0 = time.perf_counter()
@@ -365,15 +389,16 @@ class Trainer:
             log.flush()
             bar.update(1)
             bar.set_postfix(loss=f"{ema:.3f}", tok_s=f"{tok_s:.0f}", answer_tok_s=f"{ans_s:.0f}", lr=f"{rec['lr']:.1e}")
-            out_of_time = cfg.minutes is not None and now - t_start > cfg.minutes * 60
-            due = now - last_save > cfg.save_every_s or (cfg.save_every_steps and self.step % cfg.save_every_steps == 0)
+            out_of_time = cfg.minutes is not None and self.agree(now - t_start > cfg.minutes * 60)
+            due = self.agree(now - last_save > cfg.save_every_s) or (cfg.save_every_steps and self.step % cfg.save_every_steps == 0)
             if due or out_of_time or self.step >= stop_at:
                 vl = self.val_loss()
                 path = self.save(run)
                 if vl is not None:
                     log.write(json.dumps({"step": self.step, "val_loss": round(vl, 5)}) + "\n")
                     log.flush()
-                bar.write(f"step {self.step}: saved {path}" + (f" (val loss {vl:.4f})" if vl is not None else ""))
+                if self.is_main:
+                    bar.write(f"step {self.step}: saved {path}" + (f" (val loss {vl:.4f})" if vl is not None else ""))
                 last_save = time.perf_counter()
             if out_of_time:
                 break
@@ -388,26 +413,41 @@ def latest_checkpoint(run: Path) -> Path | None:
     return run / ptr.read_text().strip() if ptr.exists() else None
 
 
-def train(cfg: TrainConfig) -> Trainer:
-    """Load the base and data, resume from the run directory when it has a checkpoint, train."""
+@dataclass
+class Base:
+    """The model to adapt and the token ids the recipe needs."""
+
+    model: nn.Module
+    tok: object  # the tokenizer, with |<MASK>|
+    mask_id: int
+    stop_id: int
+    pad_id: int
+    spec: str
+
+
+def load_base(cfg: TrainConfig, device: torch.device) -> Base:
     from engine.loading import MASK_TOKEN, build_model, load_tokenizer, resolve_source
 
-    from .examples import load_data
-
     source = resolve_source(cfg.model)
-    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    model = build_model(source.path, dev, torch.float32)
+    model = build_model(source.path, device, torch.float32)
     tok = load_tokenizer(source.path, add_mask_token=True)
     vocab = tok.get_vocab()
     mask_id, stop_id = vocab[MASK_TOKEN], vocab["<|im_end|>"]
     if mask_id > model.cfg.vocab_size:
         raise ValueError(f"mask token id {mask_id} leaves a gap after the {model.cfg.vocab_size} embedding rows")
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else stop_id
-    examples, stats = load_data(cfg.data, tok, stop_id, cfg.max_len, cfg.answers)
+    return Base(model, tok, mask_id, stop_id, pad_id, source.spec)
+
+
+def load_examples_for(cfg: TrainConfig, base: Base) -> tuple[list[Example], list[Example], dict]:
+    """(train, held-out, the answers policy's counts), every example in memory."""
+    from .examples import load_data
+
+    examples, stats = load_data(cfg.data, base.tok, base.stop_id, cfg.max_len, cfg.answers)
     if cfg.answers == "finish":  # the invariant the policy promises, checked where training reads it
-        bad = sum(ex.ids[-1] != stop_id for ex in examples)
+        bad = sum(ex.ids[-1] != base.stop_id for ex in examples)
         if bad:
-            raise ValueError(f"data: {bad} answers do not end with the stop token {stop_id} under answers=finish")
+            raise ValueError(f"data: {bad} answers do not end with the stop token {base.stop_id} under answers=finish")
     if cfg.limit is not None:
         examples = examples[:cfg.limit]
     if len(examples) <= cfg.val_size:
@@ -415,9 +455,25 @@ def train(cfg: TrainConfig) -> Trainer:
                          f"({stats}); nothing to train on")
     val = examples[len(examples) - cfg.val_size:] if cfg.val_size else []
     examples = examples[:len(examples) - cfg.val_size] if cfg.val_size else examples
-    cfg.extra = {"base": source.spec, "data": str(cfg.data), "data_stats": stats,
+    return examples, val, stats
+
+
+def launched() -> bool:
+    """Started by accelerate launch / torchrun with more than one process."""
+    return int(os.environ.get("WORLD_SIZE", "1")) > 1
+
+
+def train(cfg: TrainConfig) -> Trainer:
+    """Load the base and data, resume from the run directory when it has a checkpoint, train."""
+    if cfg.accelerate or cfg.stream or launched():
+        from .distributed import train_distributed
+
+        return train_distributed(cfg)
+    base = load_base(cfg, torch.device("cuda" if torch.cuda.is_available() else "cpu"))
+    examples, val, stats = load_examples_for(cfg, base)
+    cfg.extra = {"base": base.spec, "data": str(cfg.data), "data_stats": stats,
                  "train_examples": len(examples), "val_examples": len(val)}
-    trainer = Trainer(cfg, model, examples, mask_id, pad_id, val)
+    trainer = Trainer(cfg, base.model, examples, base.mask_id, base.pad_id, val)
     ckpt = latest_checkpoint(cfg.run)
     if ckpt is not None:
         trainer.load_state_dict(torch.load(ckpt, map_location="cpu", weights_only=False))
