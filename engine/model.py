@@ -70,6 +70,20 @@ class KVCache:
         out.max_len = n
         return out
 
+    def take(self, rows: Tensor, length: int) -> "KVCache":
+        """A compact copy of some rows' first `length` positions (whole key quanta): a forward of only those rows
+        of a batch (engine/decode/diffusion.py), whose new K/V `put` then copies back."""
+        out = object.__new__(KVCache)
+        out.k = self.k[:, rows, :, :length]
+        out.v = self.v[:, rows, :, :length]
+        out.max_len = length
+        return out
+
+    def put(self, rows: Tensor, part: "KVCache", lo: int, hi: int) -> None:
+        """Positions [lo, hi) of `part` (from take(rows, ...)) back into those rows."""
+        self.k[:, rows, :, lo:hi] = part.k[:, :, :, lo:hi]
+        self.v[:, rows, :, lo:hi] = part.v[:, :, :, lo:hi]
+
     def write(self, layer: int, k: Tensor, v: Tensor, pos: Tensor, start: int | None) -> None:
         if start is not None:  # every row writes the same contiguous window: a plain slice copy
             self.k[layer, :, :, start:start + k.shape[2]] = k

@@ -293,7 +293,7 @@ class Scheduler:
             g.batch = g.decoder.drop_cancelled(g.batch)
             if g.batch.rows:
                 g.batch = g.decoder.step(g.batch)
-                self.forwards += 1
+                self.forwards += g.decoder.step_forwards
         except Exception as exc:  # noqa: BLE001 - an engine fault fails this batch's requests, not the server
             for t in g.tickets:
                 self._complete(t, None, exc)

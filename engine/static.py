@@ -209,8 +209,10 @@ class StaticStepper:
 
     # ------------------------------------------------------------ one step
     def step(self, ids: Tensor, pos: Tensor, cache: StaticKVCache, ends: list[int], logits_idx: Tensor,
-             width: int) -> Tensor:
-        """Logits [B, n] for a decode step over window ids/pos [B, w <= width] (padded to `width`)."""
+             width: int, lengths: list[int] | None = None) -> Tensor:
+        """Logits [B, n] for a decode step over window ids/pos [B, w <= width] (padded to `width`). lengths: the
+        real positions of each row's window (default all w); the rest are pads, as those past w are, so rows whose
+        own forwards differ in width share one step without one of them writing K/V it would not write alone."""
         b, w = ids.shape
         n = logits_idx.shape[1]
         if w > width:
@@ -223,6 +225,9 @@ class StaticStepper:
         s.ids[:b, :w].copy_(ids)
         s.pos[:b, :w].copy_(pos)
         s.write[:b, :w].copy_(pos)
+        if lengths is not None and min(lengths) < w:
+            pad = torch.arange(w, device=self.device)[None] >= torch.tensor(lengths, device=self.device)[:, None]
+            s.write[:b, :w].masked_fill_(pad, self.capacity - 1)
         if w < width:  # pads: token 0 at the last real position, K/V to the trash slot, output unused
             s.ids[:b, w:] = 0
             s.pos[:b, w:] = pos[:, -1:]

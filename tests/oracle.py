@@ -116,7 +116,7 @@ class _Row:
         lo = start + (q0 - start) // self.sbs * self.sbs
         return max(lo - 1, start), lo + self.sbs
 
-    def step(self, force_full: bool = False, width: int | None = None) -> None:
+    def step(self) -> None:
         bs, sbs = self.bs, self.sbs
         q0 = self.masked()[0]
         start = q0 // bs * bs
@@ -129,11 +129,8 @@ class _Row:
             k = (q0 - start) // sbs
             lo = start + k * sbs
             cand = [q for q in self.masked() if lo <= q < lo + sbs]
-            if kind == "sub" and not force_full:  # only the window [lo - 1, lo + sbs), over stale block K/V
+            if kind == "sub":  # only the window [lo - 1, lo + sbs), over stale block K/V
                 a, b = self.window()
-                if width is not None:  # a batch's common width: the window kept inside the block
-                    a = min(a, start + bs - width)
-                    b = a + width
                 logits = self.model(self.seq[:, a:b], torch.arange(a, b)[None], self.kv, start=a, kv_len=start + bs)[0]
                 picks = [_greedy(logits[q - 1 - a], self.mask_id) for q in cand]
             else:
@@ -156,22 +153,16 @@ class _Row:
 def decode(model, prompts: list[list[int]], *, mask_id: int, stop_ids, block_size: int = 32, sub_block_size: int = 8,
            threshold: float = 0.9, strategy: str = "threshold", factor: float = 1.0, max_new_tokens: int = 32,
            cache: str = "none") -> list[OracleRun]:
-    """Decode prompts; one OracleRun each. cache "none": every row alone, each step from scratch (the engine's
-    "none" and "block" caches must match it exactly, in a batch too). cache "dual": a step that does not start a
-    sub-block runs only the window [lo - 1, lo + sub_block_size) over the K/V its sub-block's first (whole-block)
-    step wrote, so the rest of the block's K/V are stale; and, as the engine batches, the rows go in lockstep and
-    when any live row needs a whole-block forward (a new sub-block or a block's first position), every row runs
-    one (refreshing its K/V); otherwise every row runs a window of the batch's widest one, shifted left where it
-    would pass its block's end (so a row may refresh one position more than alone)."""
+    """Decode prompts; one OracleRun each, every row alone (a batch must decode each row as it would alone: the
+    engine's caches are tested against this, in batches). cache "none": each step from scratch (the engine's
+    "none" and "block" caches must match it exactly). cache "dual": a step that does not start a sub-block runs
+    only the window [lo - 1, lo + sub_block_size) over the K/V its sub-block's first (whole-block) step wrote, so
+    the rest of the block's K/V are stale."""
     rows = [_Row(model, p, mask_id, stop_ids, block_size, sub_block_size, threshold, strategy, factor,
                  max_new_tokens, cache) for p in prompts]
-    live = list(rows)
-    while live:
-        full = any(r.plan() != "sub" for r in live)
-        width = None if full else max(b - a for a, b in (r.window() for r in live))
-        for r in live:
-            r.step(force_full=full, width=width)
-        live = [r for r in live if r.masked()]
+    for r in rows:
+        while r.masked():
+            r.step()
     return [r.run for r in rows]
 
 

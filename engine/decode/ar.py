@@ -21,8 +21,9 @@ class ARDecoder(Decoder):
         with wide_calls():  # however the batch splits the prompts, their K/V come from the same kernels
             self._prefill_ar(batch, prompts, cached)
 
-    def _step_rows(self, batch: Batch) -> None:
+    def _step_rows(self, batch: Batch) -> int:
         self._step_ar(batch)
+        return 1
 
     def _shared_prefix(self, prompts: list[list[int]], cache: KVCache | None) -> int:
         """Tokens every prompt of the batch starts with (a chat template's system turn), when worth one forward of

@@ -37,6 +37,7 @@ class Decoder:
         self.joins = joins
         self.stop_ids = set(cfg.stop_token_ids)
         self.device = next(model.parameters()).device
+        self.step_forwards = 0  # forwards the last step() ran (a dual-cache step runs one per forward width)
 
     # ---------------------------------------------------------------- shared helpers
     @staticmethod
@@ -110,11 +111,12 @@ class Decoder:
         return KVCache(self.model.cfg, batch, max_len, self.device, self._dtype())
 
     def _step(self, ids: Tensor, pos: Tensor, cache: KVCache, *, start: int | None, ends: list[int],
-              mask: Tensor | None, logits_idx: Tensor, width: int) -> Tensor:
+              mask: Tensor | None, logits_idx: Tensor, width: int, lengths: list[int] | None = None) -> Tensor:
         """A cached decode forward of a fixed-width kind (AR 1, dual sub-block + 1, block): keys < ends[row]
-        are visible. Through the static stepper when there is one, else CausalLM.forward."""
+        are visible. Through the static stepper when there is one (lengths: each row's real window, the rest of
+        its window padding), else CausalLM.forward."""
         if self.stepper is not None:
-            return self.stepper.step(ids, pos, cache, ends, logits_idx, width)
+            return self.stepper.step(ids, pos, cache, ends, logits_idx, width, lengths)
         return self.model(ids, pos, cache, start=start, kv_len=max(ends), mask=mask, logits_idx=logits_idx)
 
     @staticmethod
@@ -196,8 +198,8 @@ class Decoder:
         """The first forward of new rows (positions from `cached` on); it also commits their first tokens."""
         raise NotImplementedError
 
-    def _step_rows(self, batch: Batch) -> None:
-        """One forward for every live row of the batch, and its commits."""
+    def _step_rows(self, batch: Batch) -> int:
+        """One forward for every live row of the batch, and its commits; returns how many forwards that took."""
         raise NotImplementedError
 
     # ---------------------------------------------------------------- public entry
@@ -275,7 +277,7 @@ class Decoder:
 
     def step(self, batch: Batch) -> Batch:
         """One forward for every live row; finished rows leave. Call under inference_mode."""
-        self._step_rows(batch)
+        self.step_forwards = self._step_rows(batch)
         return self._retire(batch)
 
     def drop_cancelled(self, batch: Batch) -> Batch:

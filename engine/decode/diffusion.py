@@ -12,7 +12,7 @@ import torch
 from torch import Tensor
 
 from ..events import Token
-from ..model import block_causal_mask
+from ..model import block_causal_mask, whole_key_quanta
 from ..sampling import select_commits
 from .base import Decoder
 from .rows import Batch, Row
@@ -43,8 +43,8 @@ class DiffusionDecoder(Decoder):
                              "block diffusion; use mode 'ar'")
         return super().open_batch(prompts, rows)
 
-    def _step_rows(self, batch: Batch) -> None:
-        self._step_diffusion(batch)
+    def _step_rows(self, batch: Batch) -> int:
+        return self._step_diffusion(batch)
 
     def _prefill_diffusion(self, batch: Batch, cached: int = 0) -> None:
         # Prefill: whole prompt blocks, plus the partial block (prompt tail + masks) when there is one, which
@@ -64,42 +64,77 @@ class DiffusionDecoder(Decoder):
         # an aligned prompt's prefill covers whole prompt blocks only: the new block's K/V are not there yet
         self._after_forward("prefill", rows, batch.seq, targets, logits, [r.prompt_len % bs != 0 for r in rows])
 
-    def _step_diffusion(self, batch: Batch) -> None:
-        cfg, bs, live, seq, cache = self.cfg, self.cfg.block_size, batch.rows, batch.seq, batch.cache
-        plan = [self._plan(r) for r in live]  # (kind, window start, window end)
-        full = any(k != "sub" for k, _, _ in plan)
-        if cfg.cache == "none":
-            ends = [r.block_start + bs for r in live]
-            width = max(ends)
-            starts = [0] * len(live)
-            pos = torch.arange(width, device=self.device)[None].expand(len(live), -1)
+    def _step_diffusion(self, batch: Batch) -> int:
+        plan = [self._plan(r) for r in batch.rows]  # (kind, window start, window end) of each row's own forward
+        forwards = self._forwards(plan)
+        for at, width in forwards:
+            self._forward(batch, at, [plan[b] for b in at], width)
+        return len(forwards)
+
+    def _forwards(self, plan: list[tuple[str, int, int]]) -> list[tuple[list[int], int]]:
+        """The batching policy: which rows share a forward (batch indices), and its window width.
+
+        A row must get the forward it would get alone: with the dual cache, a whole-block forward (the refresh at a
+        new sub-block, or the commit) rewrites the block's K/V, so a row refreshed because another row needed it
+        decodes on other K/V than alone, and its answer can change. So the rows are grouped by the width of their
+        own forward: whole block, sub-block + the token before it, or (the first sub-block) the sub-block alone;
+        one forward per group, at most three a step, none of them with padded work. On the static path (CUDA
+        graphs) the step is one forward at its static width, each row's narrower window padded with pads that
+        write only the trash slot: there one launch over padded rows costs less than several.
+        The none and block caches run whole blocks for every row: always one forward."""
+        every = list(range(len(plan)))
+        if self.cfg.cache == "none":
+            return [(every, max(e for _, _, e in plan))]  # each row over its prefix, up to the longest one's block end
+        widths = [e - s for _, s, e in plan]
+        if self.stepper is not None:
+            return [(every, max(widths))]
+        groups: dict[int, list[int]] = {}
+        for b, w in enumerate(widths):
+            groups.setdefault(w, []).append(b)
+        return [(at, w) for w, at in sorted(groups.items(), reverse=True)]
+
+    def _forward(self, batch: Batch, at: list[int], plan: list[tuple[str, int, int]], width: int) -> None:
+        """One forward for the rows `at` of the batch, each over its own window of its plan (padded to `width` on
+        the static path only), and their commits. Rows not in `at` are untouched: the forward runs on a compact
+        copy of its rows' K/V, whose new positions are copied back."""
+        cfg, bs = self.cfg, self.cfg.block_size
+        rows = [batch.rows[b] for b in at]
+        every = len(at) == len(batch.rows)
+        rows_t = torch.tensor(at, device=self.device)
+        seq = batch.seq if every else batch.seq.index_select(0, rows_t)
+        ends = [r.block_start + bs for r in rows]  # every key before the active block's end is visible
+        if cfg.cache == "none":  # the whole prefix from scratch, block-causal
+            starts = [0] * len(rows)
+            pos = torch.arange(width, device=self.device)[None].expand(len(rows), -1)
             mask = block_causal_mask(pos, width, bs, torch.tensor(ends, device=self.device))
-            ids, start, kv_len = seq[:, :width], 0, None
         else:
-            width = bs if full else max(e - s for _, s, e in plan)
-            starts = [r.block_start if full else min(s, r.block_start + bs - width) for r, (_, s, _) in zip(live, plan)]
-            st = torch.tensor(starts, device=self.device)
-            pos = st[:, None] + torch.arange(width, device=self.device)[None]
-            ends = [r.block_start + bs for r in live]
-            ends_t = torch.tensor(ends, device=self.device)
+            starts = [s for _, s, _ in plan]
+            pos = torch.tensor(starts, device=self.device)[:, None] + torch.arange(width, device=self.device)[None]
+            same = all(a == starts[0] for a in starts)  # (then the ends are equal too: one block)
             kv_len = max(ends)
-            same = all(s == starts[0] for s in starts)
-            mask = None if same else (torch.arange(kv_len, device=self.device)[None, None, None] < ends_t[:, None, None, None])
-            ids, start = seq.gather(1, pos), (starts[0] if same else None)
-        targets = []
-        for r, (kind, s, e), a in zip(live, plan, starts):
-            if kind == "commit":
-                targets.append([r.block_start + bs]) if r.block_start + bs < r.limit else targets.append([])
-            else:
-                targets.append(self._targets(r, a, a + width, full=full or cfg.cache == "none"))
+            mask = None if same else (torch.arange(kv_len, device=self.device)[None, None, None]
+                                      < torch.tensor(ends, device=self.device)[:, None, None, None])
+        # the clean block's last logit gives the next block's first token; else the masked positions to decode
+        # (a row's targets are read only inside its own window, never from a static path's pads)
+        targets = [([r.block_start + bs] if r.block_start + bs < r.limit else []) if kind == "commit"
+                   else self._targets(r, a, a + (width if cfg.cache == "none" else e - s), full=kind != "sub")
+                   for r, (kind, s, e), a in zip(rows, plan, starts)]
         idx = self._idx(targets, starts)
-        if cache is None:
-            logits = self.model(ids, pos, cache, start=start, kv_len=kv_len, mask=mask, logits_idx=idx)
+        if cfg.cache == "none":
+            logits = self.model(seq[:, :width], pos, None, mask=mask, logits_idx=idx)
+        elif self.stepper is not None:  # static widths: the block, or the sub-block + 1 (see engine/static.py)
+            sub = all(kind == "sub" for kind, _, _ in plan)
+            logits = self._step(seq.gather(1, pos), pos, batch.cache, start=None, ends=ends, mask=None,
+                                logits_idx=idx, width=cfg.sub_block_size + 1 if sub else bs,
+                                lengths=[e - a for _, a, e in plan])
         else:
-            logits = self._step(ids, pos, cache, start=start, ends=ends, mask=mask, logits_idx=idx,
-                                width=bs if full else cfg.sub_block_size + 1)
-        kinds = [k for k, _, _ in plan]
-        self._after_forward(kinds, live, seq, targets, logits, [full or cfg.cache == "none"] * len(live))
+            cache = batch.cache if every else batch.cache.take(rows_t, whole_key_quanta(kv_len))
+            logits = self._step(seq.gather(1, pos), pos, cache, start=starts[0] if same else None, ends=ends,
+                                mask=mask, logits_idx=idx, width=width)
+            if not every:
+                batch.cache.put(rows_t, cache, min(starts), max(starts) + width)
+        kinds = [kind for kind, _, _ in plan]
+        self._after_forward(kinds, rows, batch.seq, targets, logits, [kind != "sub" for kind in kinds], at)
 
     def _masked(self, r: Row, lo: int, hi: int) -> list[int]:
         """Still-masked answer positions in [lo, hi), never past an earlier committed stop token."""
@@ -149,8 +184,10 @@ class DiffusionDecoder(Decoder):
         return torch.tensor(rows, dtype=torch.long, device=self.device)
 
     def _after_forward(self, kinds, rows: list[Row], seq: Tensor, targets: list[list[int]], logits: Tensor,
-                       refreshed: list[bool]) -> None:
+                       refreshed: list[bool], at: list[int] | None = None) -> None:
+        """Sample and commit; rows[b] is row at[b] of seq (default b)."""
         cfg, bs, sbs = self.cfg, self.cfg.block_size, self.cfg.sub_block_size
+        at = at if at is not None else list(range(len(rows)))
         kinds = [kinds] * len(rows) if isinstance(kinds, str) else kinds
         tok, conf = self._sample(self._penalised(rows, logits, targets), rows,
                                  [self._draws(r, k, t) for r, k, t in zip(rows, kinds, targets)])
@@ -162,7 +199,7 @@ class DiffusionDecoder(Decoder):
             if kind == "commit":
                 if tq:  # the clean block's last logit gives the next block's first token
                     self._commit(r, tq[0], tok_l[b][0], conf_l[b][0], committed)
-                    writes.append((b, tq[0], tok_l[b][0]))
+                    writes.append((at[b], tq[0], tok_l[b][0]))
                 r.block_start += bs
                 r.refreshed_sub = -1
                 self._emit("commit", r, -1, committed, [])
@@ -183,7 +220,7 @@ class DiffusionDecoder(Decoder):
                 for j, q in enumerate(tq):
                     if j < n_sub and chosen[j]:
                         self._commit(r, q, tok_l[b][j], conf_l[b][j], committed)
-                        writes.append((b, q, tok_l[b][j]))
+                        writes.append((at[b], q, tok_l[b][j]))
                     elif self._listening(r):
                         t = tok_l[b][j]
                         masked.append(Token(q - r.prompt_len, t, self.tb.piece(t), conf_l[b][j]))
