@@ -64,6 +64,8 @@ class GGUFWeights:
     q4: dict[str, Q4Blocks]
     embed_q: Tensor  # int8 [vocab, hidden]
     embed_d: Tensor  # fp32 [vocab, hidden / 32]
+    head_q: Tensor | None = None  # an untied LM head's Q8_0 rows (None: the head is the embedding)
+    head_d: Tensor | None = None
 
 
 def read_gguf(path: Path, n_head: int, n_kv_head: int) -> GGUFWeights:
@@ -96,21 +98,35 @@ def read_gguf(path: Path, n_head: int, n_kv_head: int) -> GGUFWeights:
     return GGUFWeights(q4, *embed)
 
 
-def cached_gguf(path: Path, n_head: int, n_kv_head: int, cache: Path) -> GGUFWeights:
-    """read_gguf, memoised as a safetensors file (GGUFReader spends ~10 s parsing the tokenizer fields)."""
-    from safetensors.torch import load_file, save_file
+def save_blocks(w: GGUFWeights, cache: Path) -> None:
+    """Write the blocks (d and m as fp16, as a GGUF stores them: exact) atomically."""
+    from safetensors.torch import save_file
 
-    if cache.exists():
-        t = load_file(str(cache))
-        names = {k.rsplit(".", 1)[0] for k in t if k.startswith("model.")}
-        q4 = {n: Q4Blocks(t[n + ".q"], t[n + ".d"].float(), t[n + ".m"].float()) for n in names}
-        return GGUFWeights(q4, t["embed.q"], t["embed.d"].float())
-    w = read_gguf(path, n_head, n_kv_head)
-    t = {"embed.q": w.embed_q, "embed.d": w.embed_d.half()}  # d and m are fp16 in the file: stored exactly
+    t = {"embed.q": w.embed_q, "embed.d": w.embed_d.half()}
+    if w.head_q is not None:
+        t.update({"head.q": w.head_q, "head.d": w.head_d.half()})
     for n, b in w.q4.items():
         t.update({n + ".q": b.q.contiguous(), n + ".d": b.d.half(), n + ".m": b.m.half()})
     cache.parent.mkdir(parents=True, exist_ok=True)
     tmp = cache.with_name(cache.name + f".tmp{os.getpid()}")
     save_file(t, str(tmp))
     tmp.replace(cache)
+
+
+def load_blocks(cache: Path) -> GGUFWeights:
+    from safetensors.torch import load_file
+
+    t = load_file(str(cache))
+    names = {k.rsplit(".", 1)[0] for k in t if k.startswith("model.")}
+    q4 = {n: Q4Blocks(t[n + ".q"], t[n + ".d"].float(), t[n + ".m"].float()) for n in names}
+    head = (t["head.q"], t["head.d"].float()) if "head.q" in t else (None, None)
+    return GGUFWeights(q4, t["embed.q"], t["embed.d"].float(), *head)
+
+
+def cached_gguf(path: Path, n_head: int, n_kv_head: int, cache: Path) -> GGUFWeights:
+    """read_gguf, memoised as a safetensors file (GGUFReader spends ~10 s parsing the tokenizer fields)."""
+    if cache.exists():
+        return load_blocks(cache)
+    w = read_gguf(path, n_head, n_kv_head)
+    save_blocks(w, cache)
     return w

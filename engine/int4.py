@@ -46,6 +46,7 @@ ACTS = ("fp32", "int8")
 DEFAULT_ACT = "fp32"  # activations of our kernels' narrow calls (README: speed and greedy agreement of both)
 
 
+MAX_K = 20480  # engine/csrc/q4.cpp's kMaxGroups groups of 32 (Qwen2.5-7B's MLP has 18944 inputs)
 TILE = 4  # our kernels' output tile: its rows are interleaved into one weight stream (engine/csrc/q4.cpp)
 
 
@@ -65,9 +66,9 @@ def pack_pairs(q: Tensor) -> Tensor:
 
 
 def _ours(n: int, k: int) -> ModuleType | None:
-    """Our kernels when they are built and fit the shape (K a multiple of 64, N of 4), else None."""
+    """Our kernels when they are built and fit the shape (K a multiple of 64 up to MAX_K, N of 4), else None."""
     kernels = cpu_kernels.load()
-    return kernels if kernels is not None and k % (2 * GROUP) == 0 and k <= 2048 and n % 4 == 0 else None
+    return kernels if kernels is not None and k % (2 * GROUP) == 0 and k <= MAX_K and n % 4 == 0 else None
 
 
 class Int4Weight(nn.Module):
@@ -157,13 +158,14 @@ class Int4Linear(nn.Module):
     """y = x W^T (+ LoRA) with W 4-bit; `splits` = widths of the fused outputs (q|k|v, gate|up)."""
 
     def __init__(self, weight: Int4Weight, splits: list[int], wide_rows: int | None, lora: LoRA | None = None,
-                 act: str = DEFAULT_ACT):
+                 act: str = DEFAULT_ACT, bias: Tensor | None = None):
         super().__init__()
         self.weight = weight  # shared between the AR base and the dLLM
         self.splits = splits
         self.wide_rows = wide_rows  # None: 4-bit at every width
         self.lora = lora
         self.act = act
+        self.register_buffer("bias", bias)  # fp32 [sum splits] (Qwen2's q|k|v), added before the LoRA delta
 
     def forward(self, x: Tensor) -> Tensor:
         w = self.weight
@@ -172,6 +174,8 @@ class Int4Linear(nn.Module):
             y = w.wide(x2).to(x.dtype)
         else:
             y = w.narrow(x2, self.act).to(x.dtype)
+        if self.bias is not None:
+            y = y + self.bias.to(y.dtype)
         if self.lora is not None:
             y = self.lora.add_to(y, x2)
         return y.view(*x.shape[:-1], w.out_features)
@@ -180,15 +184,18 @@ class Int4Linear(nn.Module):
 class DenseBF16Linear(nn.Module):
     """y = x W^T with W dense bf16 (the "bf16" mode's projections and every mode's LM head)."""
 
-    def __init__(self, weight: Tensor, splits: list[int], lora: LoRA | None = None):
+    def __init__(self, weight: Tensor, splits: list[int], lora: LoRA | None = None, bias: Tensor | None = None):
         super().__init__()
         self.register_buffer("weight", weight.bfloat16().contiguous())
+        self.register_buffer("bias", bias)
         self.splits = splits
         self.lora = lora
 
     def forward(self, x: Tensor) -> Tensor:
         x2 = x.reshape(-1, x.shape[-1])
         y = F.linear(x2.to(torch.bfloat16), self.weight).to(x.dtype)
+        if self.bias is not None:
+            y = y + self.bias.to(y.dtype)
         if self.lora is not None:
             y = self.lora.add_to(y, x2)
         return y.view(*x.shape[:-1], y.shape[-1])
@@ -293,18 +300,21 @@ class LayerStep:
         self.lora_a = [p.lora.a_t if p.lora is not None else None for p in projs]
         self.lora_b = [[p.lora._buffers[b] for b, *_ in p.lora.slices] if p.lora is not None else [] for p in projs]
         self.slices = [[v for _, *r in p.lora.slices for v in r] if p.lora is not None else [] for p in projs]
+        self.qkv_bias = projs[0].bias
 
     @staticmethod
     def fits(layer: nn.Module) -> bool:
+        """Four Int4Linear on our kernels, a bias only on q|k|v (Qwen2's), a head dim up to 128."""
         projs = [layer.self_attn.qkv, layer.mlp.gate_up, layer.self_attn.o_proj, layer.mlp.down_proj]
-        return all(isinstance(p, Int4Linear) and p.weight.kernels is not None for p in projs)
+        return all(isinstance(p, Int4Linear) and p.weight.kernels is not None for p in projs) \
+            and all(p.bias is None for p in projs[1:]) and layer.self_attn.d % 16 == 0 and layer.self_attn.d <= 128
 
     def __call__(self, x: Tensor, cache_k: Tensor, cache_v: Tensor, shared: tuple[Tensor, Tensor, Tensor, Tensor]) -> Tensor:
         cos, sin, pos, mask = shared
         wide = self.wide_rows is not None and x.shape[1] >= self.wide_rows
         return self.kernels.layer_step(x, self.norm1, self.norm2, self.eps, self.weights, self.lora_a, self.lora_b,
                                        self.slices, self.int8, wide, self.heads, self.kv_heads, cos, sin, cache_k,
-                                       cache_v, pos, mask)
+                                       cache_v, pos, mask, self.qkv_bias)
 
 
 def fused_wanted() -> bool:

@@ -17,7 +17,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from . import packing, quant
+from . import packing, q4_quantize, quant
 from .config import ModelConfig
 from .model import CausalLM
 from . import env
@@ -179,8 +179,8 @@ def bundled_base_dir() -> Path:
     return out
 
 
-def read_state_dict(path: Path) -> dict[str, torch.Tensor]:
-    """All tensors of a checkpoint directory (single file or sharded index)."""
+def read_state_dict(path: Path, skip: frozenset[str] = frozenset()) -> dict[str, torch.Tensor]:
+    """The tensors of a checkpoint directory (single file or sharded index), but those named in `skip`."""
     index = path / "model.safetensors.index.json"
     files = sorted({path / f for f in json.loads(index.read_text())["weight_map"].values()}) if index.exists() \
         else sorted(path.glob("*.safetensors"))
@@ -188,7 +188,11 @@ def read_state_dict(path: Path) -> dict[str, torch.Tensor]:
         raise ModelSourceError(f"model: no .safetensors files in {path}")
     state: dict[str, torch.Tensor] = {}
     for f in files:
-        state.update(load_file(str(f)))
+        if not skip:
+            state.update(load_file(str(f)))
+            continue
+        with safe_open(str(f), "pt") as h:  # only what is kept is read: the skipped tensors are quantised elsewhere
+            state.update({k: h.get_tensor(k) for k in h.keys() if k not in skip})
     return state
 
 
@@ -199,22 +203,51 @@ def default_dtype(device: torch.device) -> torch.dtype:
     return torch.bfloat16 if device.type == "cuda" else torch.float32
 
 
-def build_model(path: Path, device: torch.device, dtype: torch.dtype) -> CausalLM:
+def build_model(path: Path, device: torch.device, dtype: torch.dtype, skip: frozenset[str] = frozenset()) -> CausalLM:
+    """The checkpoint as our CausalLM. Tensors named in `skip` are not read: they stay on the meta device for
+    engine/quant.py to replace with 4-bit ones (so no dense copy of them is ever held)."""
     cfg = ModelConfig.from_hf(json.loads((path / "config.json").read_text()))
-    state = read_state_dict(path)
+    state = read_state_dict(path, skip)
     state = {k: v for k, v in state.items() if not k.endswith("rotary_emb.inv_freq")}
     with torch.device("meta"):
         model = CausalLM(cfg)
     if cfg.tie_word_embeddings:
         state.pop("lm_head.weight", None)
-    missing = set(dict(model.named_parameters())) - set(state) - ({"lm_head.weight"} if cfg.tie_word_embeddings else set())
+    missing = set(dict(model.named_parameters())) - set(state) - set(skip) \
+        - ({"lm_head.weight"} if cfg.tie_word_embeddings else set())
     if missing:
         raise ModelSourceError(f"model: checkpoint {path} lacks tensors: {sorted(missing)[:5]}")
+    if skip:  # Module.to cannot move the meta tensors left for quantisation: convert what was read instead
+        state = {k: v.to(device=device, dtype=dtype if v.is_floating_point() else v.dtype) for k, v in state.items()}
     model.load_state_dict(state, strict=False, assign=True)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     model.rope = type(model.rope)(cfg.head_dim, cfg.rope_theta)
+    if skip:
+        return model.eval().requires_grad_(False)
     return model.to(device=device, dtype=dtype).eval().requires_grad_(False)
+
+
+def build_four_bit(path: Path, device: torch.device, dtype: torch.dtype, policy: quant.WeightPolicy) -> tuple[CausalLM, str]:
+    """Any Qwen2/Llama checkpoint with its projections at 4-bit (engine/q4_quantize.py: quantised tensor by tensor on
+    the first load, cached under cache_dir()/q4/ after); also says how the blocks were obtained."""
+    cfg = ModelConfig.from_hf(json.loads((path / "config.json").read_text()))
+    t0 = time.perf_counter()
+    files = q4_quantize.weight_files(path)
+    weights, cached = q4_quantize.cached_checkpoint(path, cfg.num_hidden_layers, cfg.tie_word_embeddings, cache_dir())
+    how = f"4-bit blocks {'from the cache' if cached else 'quantised at load'} in {time.perf_counter() - t0:.1f} s"
+    model = build_model(path, device, dtype, skip=frozenset(q4_quantize.quantized_names(files)))
+    quant.quantize_checkpoint_model(model, weights, policy)
+    return model, how
+
+
+def four_bit_unfit(cfg: ModelConfig) -> str | None:
+    """Why a checkpoint cannot take the 4-bit path (None when it can): blocks of 32 along every input."""
+    for name, k in (("hidden_size", cfg.hidden_size), ("intermediate_size", cfg.intermediate_size),
+                    ("heads x head_dim", cfg.num_attention_heads * cfg.head_dim)):
+        if k % 32:
+            return f"{name} {k} is not a multiple of 32"
+    return None
 
 
 def apply_adapter(base: CausalLM, adapter: Path, merge_lora: bool = True) -> CausalLM:
@@ -301,13 +334,28 @@ def load(model: str | None = None, device: str | None = None, dtype: str | None 
     source = resolve_source(model)
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dt = getattr(torch, dtype) if dtype else default_dtype(dev)
-    base = build_model(source.path, dev, dt)
     policy = quant.WeightPolicy.from_env()
-    four_bit = source.kind == "bundled" and dev.type == "cpu" and policy.mode != "fp32"
+    cfg0 = ModelConfig.from_hf(json.loads((source.path / "config.json").read_text()))
+    # 4-bit by default on CPU: the bundled model from its GGUF's own blocks, any other checkpoint quantised at load
+    unfit = four_bit_unfit(cfg0) if source.kind != "bundled" else None
+    four_bit = dev.type == "cpu" and policy.mode != "fp32" and unfit is None
+    quantised = None
+    if four_bit and source.kind != "bundled":
+        base, quantised = build_four_bit(source.path, dev, dt, policy)
+    else:
+        base = build_model(source.path, dev, dt)
     dllm = apply_adapter(base, source.adapter, merge_lora=not four_bit) if source.adapter else base
     weights = str(dt).replace("torch.", "")
     kernels = None
-    if four_bit:
+    if quantised is not None:
+        weights = policy.mode
+        from . import cpu_kernels
+
+        kernels = cpu_kernels.status()
+        if kernels.startswith("ours"):
+            kernels += f", {policy.act} activations"
+        packing.release_freed_memory()
+    elif four_bit:
         weights = policy.mode
         from . import cpu_kernels
 
@@ -337,4 +385,6 @@ def load(model: str | None = None, device: str | None = None, dtype: str | None 
     return LoadedModel(name=name, source=source, dllm=dllm, base=base, tokenizer=tok, mask_token_id=mask_id,
                        stop_token_ids=stops, device=dev, dtype=dt, load_seconds=time.perf_counter() - t0,
                        info={"model_type": cfg_json.get("model_type"), "bd_size": cfg_json.get("bd_size"),
-                             "weights": weights, **({"kernels": kernels} if kernels else {})})
+                             "weights": weights, **({"kernels": kernels} if kernels else {}),
+                             **({"quantised": quantised} if quantised else {}),
+                             **({"four_bit_unfit": unfit} if unfit and dev.type == "cpu" else {})})

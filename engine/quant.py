@@ -74,13 +74,24 @@ def read_lora(tensors: dict[str, Tensor]) -> dict[str, tuple[Tensor, Tensor]]:
             for k, t in tensors.items() if k.startswith("lora_A.")}
 
 
+def _fused_bias(owner: nn.Module, names: tuple[str, ...], splits: list[int]) -> Tensor | None:
+    """The fused projections' biases side by side as fp32 (Qwen2's q/k/v have them), None when none has one."""
+    linears = [getattr(owner, n) for n in names]
+    if all(getattr(lin, "bias", None) is None for lin in linears):
+        return None
+    return torch.cat([lin.bias.detach().float() if getattr(lin, "bias", None) is not None else torch.zeros(w)
+                      for lin, w in zip(linears, splits)])
+
+
 class QuantizedPair:
     """Builds the 4-bit AR base and (optionally) the dLLM on top of the same shared weights."""
 
     def __init__(self, weights: GGUFWeights, policy: WeightPolicy):
         self.w, self.policy = weights, policy
         self._shared: dict[tuple[int, str], nn.Module] = {}
-        self.head = Q8Head(weights.embed_q, weights.embed_d)  # shared by the base and the dLLM
+        # shared by the base and the dLLM: the embedding's rows when tied (the bundled GGUF), else the head's own
+        self.head = Q8Head(weights.head_q, weights.head_d) if weights.head_q is not None \
+            else Q8Head(weights.embed_q, weights.embed_d)
 
     def _weight(self, layer: int, key: str) -> nn.Module:
         sub, names = FUSED[key]
@@ -104,9 +115,10 @@ class QuantizedPair:
                 delta = None
                 if lora is not None and any(f in lora for f in full):
                     delta = LoRA([lora.get(f) for f in full], splits, lora_scale)
+                bias = _fused_bias(owner, names, splits)
                 base = self._weight(i, key)
-                mod: nn.Module = DenseBF16Linear(base.weight, splits, delta) if isinstance(base, DenseBF16Linear) \
-                    else Int4Linear(base, splits, wide, delta, self.policy.act)  # either way the base tensors are shared
+                mod: nn.Module = DenseBF16Linear(base.weight, splits, delta, bias) if isinstance(base, DenseBF16Linear) \
+                    else Int4Linear(base, splits, wide, delta, self.policy.act, bias)  # the base tensors are shared
                 setattr(owner, key, mod)
                 for n in names:
                     if n != key:
@@ -137,6 +149,15 @@ def quantize_bundled(base: CausalLM, dllm: CausalLM, gguf_path: Path, cache: Pat
             raise ValueError(f"adapter replaces 4-bit projections ({replaced[:3]}): use FASTDLLM_WEIGHTS=fp32")
         pair.apply(dllm, read_lora(tensors), lora_scale, tensors.get("extend.model.embed_tokens.weight"))
     pair.apply(base)
+
+
+def quantize_checkpoint_model(model: CausalLM, weights: GGUFWeights, policy: WeightPolicy) -> None:
+    """Put a checkpoint's quantised blocks (engine/q4_quantize.py) into `model`, in place: the projections, the
+    embedding and the head were left unread (on the meta device) by loading.build_model(skip=...)."""
+    QuantizedPair(weights, policy).apply(model)
+    left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    if left:
+        raise ValueError(f"model: tensors left unread after quantisation: {left[:5]}")
 
 
 def narrow_bytes(model: CausalLM) -> int | None:

@@ -60,6 +60,17 @@ def kernels(request, monkeypatch) -> str:
     return request.param
 
 
+def test_requantising_the_bundled_checkpoint_gives_the_gguf_blocks_exactly(gguf):
+    """The bundled checkpoint holds the GGUF's dequantised weights: quantising it again at load (engine/q4_quantize.py,
+    the path of any other checkpoint) gives back every Q4_1 block and the Q8_0 embedding bit for bit (compared with
+    the fresh parse of the GGUF, not the engine's cache); tests/test_q4_quantize.py decodes with them."""
+    from engine import q4_quantize
+
+    ours = q4_quantize.quantize_checkpoint(bundled_base_dir(), 30, tied=True)
+    assert len(ours.q4) == 7 * 30 and ours.head_q is None
+    _same_weights(ours, gguf)
+
+
 @pytest.mark.parametrize("act", ["fp32", "int8"])
 def test_int4_linear_int4_and_dense_paths_and_lora(gguf, kernels, act):
     blocks = quant._fused_blocks(gguf, 3, "mlp", ("gate_proj", "up_proj"))

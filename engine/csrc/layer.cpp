@@ -47,14 +47,16 @@ torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& w, double ep
   return out;
 }
 
-// y = x W^T (+ x A^T B^T per fused part, the dLLM's LoRA: the same ATen products as engine/quant.py's LoRA)
+// y = x W^T (+ bias) (+ x A^T B^T per fused part, the dLLM's LoRA: the same ATen products, in the same order, as
+// engine/int4.py's Int4Linear)
 torch::Tensor project(const torch::Tensor& x, const std::vector<torch::Tensor>& wt, int p, bool int8, bool wide,
                       const c10::optional<torch::Tensor>& a, const std::vector<torch::Tensor>& b,
-                      const std::vector<int64_t>& slices) {
+                      const std::vector<int64_t>& slices, const c10::optional<torch::Tensor>& bias = c10::nullopt) {
   const torch::Tensor& w = wt[3 * p];
   const torch::Tensor& sc = wt[3 * p + 1];
   const torch::Tensor& mt = wt[3 * p + 2];
   torch::Tensor y = wide ? q4_bf16(x, w, sc) : int8 ? mm_i8(x, w, sc, mt, false) : mm_f32(x, w, sc, false);
+  if (bias.has_value()) y = y + *bias;
   if (a.has_value()) {
     const torch::Tensor h = at::mm(x, *a);
     for (size_t s = 0; s < b.size(); ++s) {
@@ -199,7 +201,8 @@ torch::Tensor layer_step(torch::Tensor x, torch::Tensor norm1, torch::Tensor nor
                          std::vector<torch::Tensor> weights, std::vector<c10::optional<torch::Tensor>> lora_a,
                          std::vector<std::vector<torch::Tensor>> lora_b, std::vector<std::vector<int64_t>> lora_slices,
                          bool int8, bool wide, int64_t heads, int64_t kv_heads, torch::Tensor cos, torch::Tensor sin,
-                         torch::Tensor cache_k, torch::Tensor cache_v, torch::Tensor pos, torch::Tensor mask) {
+                         torch::Tensor cache_k, torch::Tensor cache_v, torch::Tensor pos, torch::Tensor mask,
+                         c10::optional<torch::Tensor> qkv_bias) {
   TORCH_CHECK(x.dim() == 3 && x.scalar_type() == torch::kFloat && x.is_contiguous(), "layer_step: x must be fp32 [B, T, H]");
   TORCH_CHECK(weights.size() == 12 && lora_a.size() == 4 && lora_b.size() == 4 && lora_slices.size() == 4,
               "layer_step: 4 projections (q|k|v, o, gate|up, down)");
@@ -215,7 +218,10 @@ torch::Tensor layer_step(torch::Tensor x, torch::Tensor norm1, torch::Tensor nor
   const torch::Tensor x2 = x.view({M, H});
 
   // attention half
-  torch::Tensor qkv = project(rms_norm(x2, norm1, eps), weights, 0, int8, wide, lora_a[0], lora_b[0], lora_slices[0]);
+  TORCH_CHECK(!qkv_bias.has_value() || (qkv_bias->scalar_type() == torch::kFloat && qkv_bias->dim() == 1),
+              "layer_step: qkv_bias must be fp32 [q|k|v outputs]");
+  torch::Tensor qkv = project(rms_norm(x2, norm1, eps), weights, 0, int8, wide, lora_a[0], lora_b[0], lora_slices[0],
+                              qkv_bias);
   const int64_t QK = (heads + kv_heads) * D, W = qkv.size(1);
   float* qp = qkv.data_ptr<float>();
   const float* cp = cos.data_ptr<float>();

@@ -24,12 +24,14 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <cstdlib>
+#include <memory>
 #include <cstdint>
 
 namespace {
 
 constexpr int64_t kGroup = 32;
-constexpr int64_t kMaxGroups = 64;  // K <= 2048
+constexpr int64_t kMaxGroups = 640;  // K <= 20480 (Qwen2.5-7B's MLP: 18944)
 constexpr int64_t kGrain = 64;      // outputs per parallel task
 constexpr int kTile = 4;            // outputs per tile (the weight layout's interleave)
 constexpr int64_t kAhead = 1024;    // software prefetch distance in a tile's weight stream, bytes
@@ -325,7 +327,7 @@ int64_t check(const torch::Tensor& x, const torch::Tensor& w, const torch::Tenso
               ": x must be a contiguous fp32 [M, K]");
   TORCH_CHECK(x.size(1) == K, what, ": x has ", x.size(1), " features, the weight ", K);
   TORCH_CHECK(K % (2 * kGroup) == 0 && K / kGroup <= kMaxGroups, what, ": K = ", K,
-              " must be a multiple of 64, at most 2048");
+              " must be a multiple of 64, at most ", kGroup * kMaxGroups);
   TORCH_CHECK(w.size(0) % 4 == 0, what, ": output features must be a multiple of 4, got ", w.size(0));
   TORCH_CHECK(w.scalar_type() == torch::kByte && w.is_contiguous() && sc.scalar_type() == torch::kHalf &&
                   sc.is_contiguous() && sc.numel() == w.size(0) * (K / kGroup) * (q8 ? 1 : 2),
@@ -347,7 +349,11 @@ torch::Tensor mm_f32(torch::Tensor x, torch::Tensor w, torch::Tensor sc, bool q8
   // more to unpack) it loses up to 8 rows, so there it starts above 8.
   if (M > (q8 ? 2 * kRows : kRows)) {
     at::parallel_for(0, N / kTile, kGrain / kTile, [&](int64_t b0, int64_t b1) {
-      alignas(64) float buf[kTile * kGroup * kMaxGroups];
+      // a tile's weights as fp32: 16 KB at K = 1024 (in L1), 1.1 MB at K = 8960 (L2); on the heap, since a worker
+      // thread's stack need not hold the largest
+      std::unique_ptr<float, decltype(&std::free)> held(
+          static_cast<float*>(std::aligned_alloc(64, kTile * kGroup * (K / kGroup) * sizeof(float))), &std::free);
+      float* buf = held.get();
       for (int64_t blk = b0; blk < b1; ++blk) {
         if (q8) f32_unpack_tile<true>(wp, sp, K, blk * kTile, buf);
         else f32_unpack_tile<false>(wp, sp, K, blk * kTile, buf);

@@ -1,0 +1,117 @@
+"""Any Qwen2/Llama safetensors checkpoint at 4-bit: quantised at load, tensor by tensor, into the blocks the bundled
+GGUF carries (engine/gguf_blocks.py), and cached on disk.
+
+Projections become Q4_1 (groups of 32: w = d*q + m, q in 0..15, fp16 d and m) and the embedding and LM head Q8_0
+(w = d*q, q in -127..127), with llama.cpp's reference rounding (`quantize_row_q4_1_ref` / `quantize_row_q8_0_ref`):
+re-quantising a GGUF's dequantised weights gives back its blocks bit for bit (tests/test_q4_quantize.py), so a
+checkpoint dequantised from a GGUF decodes with the GGUF path's tokens.
+
+Peak memory: tensors are read one at a time from the safetensors files, which are reopened per layer so the pages
+already read are unmapped; no dense model is ever built. Biases and norms stay as stored (engine/quant.py).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import Tensor
+
+from .gguf_blocks import GGUF_NAMES, GROUP, GGUFWeights, Q4Blocks, load_blocks, save_blocks
+
+FORMAT = "fastdllm-q4-v1"  # bump when the rounding or the layout below changes: old caches are then ignored
+PROJECTIONS = tuple(GGUF_NAMES.values())  # self_attn.q_proj ... mlp.down_proj
+
+
+def quantize_q4_1(w: Tensor) -> Q4Blocks:
+    """w [out, in] (in a multiple of 32) -> Q4_1 blocks; min and max per group, d = (max - min) / 15,
+    q = min(15, trunc((x - min) / d + 0.5)), computed in fp32 from the unrounded min and d as llama.cpp does."""
+    out, inp = w.shape
+    if inp % GROUP:
+        raise ValueError(f"q4_1: input features {inp} must be a multiple of {GROUP}")
+    x = w.float().view(out, inp // GROUP, GROUP)
+    lo, hi = x.amin(-1), x.amax(-1)
+    d = (hi - lo) / 15
+    inv = torch.where(d != 0, 1 / d, torch.zeros_like(d))
+    q = ((x - lo[..., None]) * inv[..., None] + 0.5).trunc().clamp(0, 15).to(torch.uint8)
+    return Q4Blocks(q.view(out, inp), d.half().float(), lo.half().float())
+
+
+def quantize_q8_0(w: Tensor) -> tuple[Tensor, Tensor]:
+    """w [rows, in] -> (int8 q [rows, in], fp32 d [rows, in / 32] holding fp16 values); d = max|x| / 127,
+    q = round-half-away(x / d), as llama.cpp."""
+    rows, inp = w.shape
+    if inp % GROUP:
+        raise ValueError(f"q8_0: input features {inp} must be a multiple of {GROUP}")
+    x = w.float().view(rows, inp // GROUP, GROUP)
+    d = x.abs().amax(-1) / 127
+    inv = torch.where(d != 0, 1 / d, torch.zeros_like(d))
+    v = x * inv[..., None]
+    q = (v.sign() * (v.abs() + 0.5).floor()).clamp(-127, 127).to(torch.int8)
+    return q.view(rows, inp), d.half().float()
+
+
+def weight_files(path: Path) -> dict[str, Path]:
+    """tensor name -> the safetensors file holding it (single file or sharded index)."""
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        return {k: path / f for k, f in json.loads(index.read_text())["weight_map"].items()}
+    where: dict[str, Path] = {}
+    for f in sorted(path.glob("*.safetensors")):
+        with safe_open(str(f), "pt") as h:
+            where.update({k: f for k in h.keys()})
+    return where
+
+
+def _read(files: dict[str, Path], names: list[str]) -> dict[str, Tensor]:
+    """The named tensors, each file opened once and closed after (its pages unmapped)."""
+    out: dict[str, Tensor] = {}
+    for f in sorted({files[n] for n in names}):
+        with safe_open(str(f), "pt") as h:
+            out.update({n: h.get_tensor(n) for n in names if files[n] == f})
+    return out
+
+
+def quantized_names(files: dict[str, Path]) -> set[str]:
+    """The tensors the 4-bit model holds as blocks (everything else is read as stored)."""
+    q = {n for n in files if n.startswith("model.layers.") and any(n.endswith(f".{p}.weight") for p in PROJECTIONS)}
+    return q | {n for n in ("model.embed_tokens.weight", "lm_head.weight") if n in files}
+
+
+def quantize_checkpoint(path: Path, num_layers: int, tied: bool) -> GGUFWeights:
+    """The checkpoint's projections as Q4_1 and its embedding (and untied head) as Q8_0, layer by layer."""
+    files = weight_files(path)
+    q4: dict[str, Q4Blocks] = {}
+    for i in range(num_layers):
+        names = [f"model.layers.{i}.{p}.weight" for p in PROJECTIONS]
+        missing = [n for n in names if n not in files]
+        if missing:
+            raise ValueError(f"model: checkpoint {path} lacks {missing[:3]}")
+        for n, t in _read(files, names).items():
+            q4[n[: -len(".weight")]] = quantize_q4_1(t)
+    embed_q, embed_d = quantize_q8_0(_read(files, ["model.embed_tokens.weight"])["model.embed_tokens.weight"])
+    head = None
+    if not tied and "lm_head.weight" in files:
+        head = quantize_q8_0(_read(files, ["lm_head.weight"])["lm_head.weight"])
+    return GGUFWeights(q4, embed_q, embed_d, *(head or (None, None)))
+
+
+def cache_key(path: Path) -> str:
+    """Names the cached blocks: the checkpoint's resolved path and its weight files' sizes and times, the format."""
+    parts = [FORMAT, str(path.resolve())]
+    for f in sorted(path.glob("*.safetensors")):
+        st = f.stat()
+        parts.append(f"{f.name}:{st.st_size}:{st.st_mtime_ns}")
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
+
+
+def cached_checkpoint(path: Path, num_layers: int, tied: bool, cache_root: Path) -> tuple[GGUFWeights, bool]:
+    """quantize_checkpoint, memoised under cache_root/q4/; also says whether the cache answered."""
+    cache = cache_root / "q4" / f"{path.resolve().name}-{cache_key(path)}.safetensors"
+    if cache.exists():
+        return load_blocks(cache), True
+    w = quantize_checkpoint(path, num_layers, tied)
+    save_blocks(w, cache)
+    return w, False
