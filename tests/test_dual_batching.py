@@ -59,18 +59,18 @@ def test_a_dual_batch_gives_every_row_its_single_row_forwards(engine, monkeypatc
 
 
 def test_rows_joining_a_running_dual_batch_decode_as_alone(engine):
-    """Continuous batching: two requests submitted while a first one decodes join its batch (prefilled together,
-    merged before its next forward) at other block positions; each answer equals its single-user one, and the three
-    rows shared forwards."""
-    first, *late = chat_ids(engine, [LONG, "Name three colors.", "List five fruits and say which one is the sweetest."])
+    """Continuous batching: three requests submitted while a first one decodes join its batch (prefilled together,
+    merged before its next forward) at other block positions; each answer equals its single-user one, and the four
+    rows shared forwards. (Under the old policy three of the four answers here differed from their single-user ones.)"""
+    first, *late = chat_ids(engine, [LONG, MESSAGES[0], MESSAGES[1], MESSAGES[3]])
     cfg = engine.decode_config(mode="diffusion", cache="dual", max_new_tokens=40)
     alone = [engine.generate_ids([i], cfg)[0] for i in [first, *late]]
     sched = Scheduler(engine)
     tickets: list = []
     joined = threading.Event()
 
-    def on_first(e) -> None:  # on the worker thread: after the first row's third forward, the others arrive
-        if e.nfe == 3 and not joined.is_set():
+    def on_first(e) -> None:  # on the worker thread: after the first row's second forward, the others arrive
+        if e.nfe == 2 and not joined.is_set():
             joined.set()
             tickets.extend(sched.submit(i, cfg) for i in late)
 
@@ -80,7 +80,7 @@ def test_rows_joining_a_running_dual_batch_decode_as_alone(engine):
         forwards = sched.forwards
     finally:
         sched.close()
-    assert joined.is_set() and len(got) == 3
+    assert joined.is_set() and len(got) == 4
     for i, (g, a) in enumerate(zip(got, alone)):
         assert forwards_of(g) == forwards_of(a), f"request {i}"
         assert g.summary.token_ids == a.summary.token_ids and g.summary.nfe == a.summary.nfe
