@@ -29,6 +29,7 @@ def read_pairs(path: Path):
 def pairs_file(path: Path, exs) -> Path:
     """The examples as a token-id file (one [prompt, answer] per line), read through PAIR_READERS."""
     PAIR_READERS[".pairs"] = read_pairs
+    path.parent.mkdir(parents=True, exist_ok=True)
     if not path.exists():  # every rank writes the same bytes; write-then-rename keeps a reader from a torn file
         tmp = path.with_name(f"{path.name}.{os.getpid()}")
         tmp.write_text("".join(json.dumps([ex.ids[:ex.prompt_len], ex.ids[ex.prompt_len:]]) + "\n" for ex in exs))
@@ -47,10 +48,11 @@ def main() -> None:
     ap.add_argument("--die-after", type=int, default=None)
     ap.add_argument("--full", action="store_true")
     ap.add_argument("--stream", action="store_true")
+    ap.add_argument("--bf16", action="store_true")
     a = ap.parse_args()
     torch.set_num_threads(1)
     cfg = TrainConfig(run=a.run_dir, recipe="full", block_size=BS, max_len=16, rank=4, alpha=8.0, lr=3e-2, warmup_steps=2,
-                      epochs=100.0, batch_size=a.batch_size, micro_batch=a.micro_batch, bf16=False, seed=0,
+                      epochs=100.0, batch_size=a.batch_size, micro_batch=a.micro_batch, bf16=a.bf16, seed=0,
                       save_every_s=1e9, save_every_steps=a.save_every_steps, progress=False, train_norms=True,
                       max_steps=a.steps, full=a.full, accelerate=True)
     acc = make_accelerator(cfg)
@@ -74,7 +76,8 @@ def main() -> None:
     tr.run(a.run_dir)
     a.out.mkdir(parents=True, exist_ok=True)
     params = {n: p.detach().clone() for n, p in tr.model.named_parameters() if p.requires_grad}
-    torch.save({"losses": [h["loss"] for h in tr.history], "params": params, "launch": tr.launch,
+    torch.save({"losses": [h["loss"] for h in tr.history], "grad_norms": [h["grad_norm"] for h in tr.history],
+                "params": params, "launch": tr.launch,
                 "resumed_at": resumed_at},
                a.out / f"rank{tr.rank}.pt")
     acc.wait_for_everyone()

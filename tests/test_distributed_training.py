@@ -66,6 +66,8 @@ def test_two_processes_train_like_one_with_the_same_global_batch(runs):
     one, two, two_b = result(runs / "stream1.out"), result(runs / "stream2.out"), result(runs / "stream2.out", 1)
     assert (one["launch"].processes, two["launch"].processes, two["launch"].kind) == (1, 2, "MULTI_CPU")
     assert rel(one["losses"], two["losses"]) <= REL_TOL, (one["losses"], two["losses"])
+    # the gradient itself, before clipping: AdamW and the clip would hide a loss scale off by the process count
+    assert rel(one["grad_norms"], two["grad_norms"]) <= REL_TOL, (one["grad_norms"], two["grad_norms"])
     # DDP keeps the ranks' weights identical, and they are the one-process weights: a rank that stepped on its
     # own half-batch gradient (no all-reduce, or a wrong loss scale) lands elsewhere
     for n, p in one["params"].items():

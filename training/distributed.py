@@ -187,6 +187,8 @@ class AcceleratedTrainer(Trainer):
         state = self.acc.get_state_dict(self.wrapped)  # FSDP: gathers the shards
         if not self.is_main:
             return {}
+        # wrappers' prefixes (DDP's module., activation checkpointing's) are not part of the names we export
+        state = {k.replace("module.", "").replace("_checkpoint_wrapped_", ""): v for k, v in state.items()}
         return {n: state[n].detach().float().cpu().clone() for n in self.names}
 
     def slim_state(self, trainable: dict[str, torch.Tensor], state_dir: str) -> dict:

@@ -465,7 +465,7 @@ def launched() -> bool:
 
 def train(cfg: TrainConfig) -> Trainer:
     """Load the base and data, resume from the run directory when it has a checkpoint, train."""
-    if cfg.accelerate or cfg.stream or launched():
+    if cfg.accelerate or cfg.stream or launched() or (cfg.run / "latest_state").exists():  # a run keeps its mode
         from .distributed import train_distributed
 
         return train_distributed(cfg)
