@@ -95,6 +95,11 @@ def test_resume_after_a_kill_is_exact(runs):
     assert got["losses"] == want["losses"]
     for n, p in want["params"].items():
         assert torch.equal(got["params"][n], p), n
+    # the slim checkpoint beside the accelerate state is what `python -m training export` reads
+    from training.export import export
+
+    meta = export(run, runs / "killed.safetensors")
+    assert meta["step"] == "10" and meta["loss_last10"] == f"{sum(want['losses']) / 10:.4f}"
 
 
 def test_full_finetune_trains_every_tensor_and_exports_a_checkpoint_the_engine_loads(tiny_fast_dllm, tmp_path):

@@ -254,7 +254,8 @@ def train_distributed(cfg: TrainConfig) -> AcceleratedTrainer:
     fsdp = fsdp_requested()
     if fsdp and not cfg.full:
         cfg.bf16_weights = False  # FSDP shards one dtype per unit: fp32 base + LoRA, bf16 compute via its policy
-    base = load_base(cfg, torch.device("cpu") if fsdp else acc.device)
+    with acc.main_process_first():  # a hub id is downloaded once, by the main process, into the shared cache
+        base = load_base(cfg, torch.device("cpu") if fsdp else acc.device)
     if cfg.stream:
         if cfg.val_size:
             raise ValueError("--val-size with --stream: hold out a separate data file instead")
