@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -61,7 +62,7 @@ GGUF_NAMES = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_
 class GGUFWeights:
     """The Q4_1 projections by our parameter name (without '.weight') and the Q8_0 embedding."""
 
-    q4: dict[str, Q4Blocks]
+    q4: Mapping[str, Q4Blocks]  # a dict, or CachedBlocks reading each from the cache file on use
     embed_q: Tensor  # int8 [vocab, hidden]
     embed_d: Tensor  # fp32 [vocab, hidden / 32]
     head_q: Tensor | None = None  # an untied LM head's Q8_0 rows (None: the head is the embedding)
@@ -113,14 +114,40 @@ def save_blocks(w: GGUFWeights, cache: Path) -> None:
     tmp.replace(cache)
 
 
-def load_blocks(cache: Path) -> GGUFWeights:
-    from safetensors.torch import load_file
+class CachedBlocks(Mapping[str, Q4Blocks]):
+    """The Q4 blocks of a cache file by name, each read when asked for (the file opened and closed around it), so
+    assembling a model holds one projection's unpacked planes at a time, not the file (at Qwen2.5-1.5B's shape a
+    mapped file kept 1.3 GB of touched pages in RSS until the last block was packed)."""
 
-    t = load_file(str(cache))
-    names = {k.rsplit(".", 1)[0] for k in t if k.startswith("model.")}
-    q4 = {n: Q4Blocks(t[n + ".q"], t[n + ".d"].float(), t[n + ".m"].float()) for n in names}
-    head = (t["head.q"], t["head.d"].float()) if "head.q" in t else (None, None)
-    return GGUFWeights(q4, t["embed.q"], t["embed.d"].float(), *head)
+    def __init__(self, cache: Path, names: list[str]):
+        self.cache, self.names = cache, names
+
+    def __getitem__(self, name: str) -> Q4Blocks:
+        from safetensors import safe_open
+
+        if name not in self.names:
+            raise KeyError(name)
+        with safe_open(str(self.cache), "pt") as f:
+            return Q4Blocks(f.get_tensor(name + ".q"), f.get_tensor(name + ".d").float(), f.get_tensor(name + ".m").float())
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.names)
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+
+def load_blocks(cache: Path) -> GGUFWeights:
+    """A cache file's blocks: the Q8 rows read now, the Q4 blocks on use (CachedBlocks)."""
+    from safetensors import safe_open
+
+    with safe_open(str(cache), "pt") as f:
+        keys = list(f.keys())
+        # copied out: a tensor the model keeps must not pin the file's mapping (and every page read through it)
+        embed = (f.get_tensor("embed.q").clone(), f.get_tensor("embed.d").float())
+        head = (f.get_tensor("head.q").clone(), f.get_tensor("head.d").float()) if "head.q" in keys else (None, None)
+    names = sorted({k.rsplit(".", 1)[0] for k in keys if k.startswith("model.")})
+    return GGUFWeights(CachedBlocks(cache, names), *embed, *head)
 
 
 def cached_gguf(path: Path, n_head: int, n_kv_head: int, cache: Path) -> GGUFWeights:

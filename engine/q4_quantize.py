@@ -22,7 +22,8 @@ from torch import Tensor
 from .gguf_blocks import GGUF_NAMES, GROUP, GGUFWeights, Q4Blocks, load_blocks, save_blocks
 
 FORMAT = "fastdllm-q4-v1"  # bump when the rounding or the layout below changes: old caches are then ignored
-PROJECTIONS = tuple(GGUF_NAMES.values())  # self_attn.q_proj ... mlp.down_proj
+PROJECTIONS = tuple(GGUF_NAMES.values())
+CHUNK_ROWS = 8192  # rows quantised at a time  # self_attn.q_proj ... mlp.down_proj
 
 
 def quantize_q4_1(w: Tensor) -> Q4Blocks:
@@ -45,12 +46,16 @@ def quantize_q8_0(w: Tensor) -> tuple[Tensor, Tensor]:
     rows, inp = w.shape
     if inp % GROUP:
         raise ValueError(f"q8_0: input features {inp} must be a multiple of {GROUP}")
-    x = w.float().view(rows, inp // GROUP, GROUP)
-    d = x.abs().amax(-1) / 127
-    inv = torch.where(d != 0, 1 / d, torch.zeros_like(d))
-    v = x * inv[..., None]
-    q = (v.sign() * (v.abs() + 0.5).floor()).clamp(-127, 127).to(torch.int8)
-    return q.view(rows, inp), d.half().float()
+    q = torch.empty(rows, inp, dtype=torch.int8)
+    d = torch.empty(rows, inp // GROUP)
+    for r in range(0, rows, CHUNK_ROWS):  # a 151,936-row embedding in fp32 temporaries would add ~3 GB at once
+        x = w[r:r + CHUNK_ROWS].float().view(-1, inp // GROUP, GROUP)
+        dc = x.abs().amax(-1) / 127
+        inv = torch.where(dc != 0, 1 / dc, torch.zeros_like(dc))
+        v = x * inv[..., None]
+        q[r:r + CHUNK_ROWS] = (v.sign() * (v.abs() + 0.5).floor()).clamp(-127, 127).to(torch.int8).view(-1, inp)
+        d[r:r + CHUNK_ROWS] = dc.half().float()
+    return q, d
 
 
 def weight_files(path: Path) -> dict[str, Path]:
@@ -112,6 +117,8 @@ def cached_checkpoint(path: Path, num_layers: int, tied: bool, cache_root: Path)
     cache = cache_root / "q4" / f"{path.resolve().name}-{cache_key(path)}.safetensors"
     if cache.exists():
         return load_blocks(cache), True
-    w = quantize_checkpoint(path, num_layers, tied)
-    save_blocks(w, cache)
-    return w, False
+    save_blocks(quantize_checkpoint(path, num_layers, tied), cache)
+    from . import packing
+
+    packing.release_freed_memory()  # the quantisation's temporaries; then the blocks come back mapped, as cached ones
+    return load_blocks(cache), False

@@ -111,7 +111,7 @@ class QuantizedPair:
             for key, (sub, names) in FUSED.items():
                 owner = getattr(layer, sub)
                 full = [f"model.layers.{i}.{sub}.{n}" for n in names]
-                splits = [self.w.q4[f].q.shape[0] for f in full]
+                splits = [getattr(owner, n).out_features for n in names]  # (not from the blocks: read on use)
                 delta = None
                 if lora is not None and any(f in lora for f in full):
                     delta = LoRA([lora.get(f) for f in full], splits, lora_scale)

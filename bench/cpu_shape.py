@@ -1,0 +1,156 @@
+"""A real model's shape on this CPU at 4-bit: load time and peak memory, forward cost by width, AR speed, and the
+diffusion/AR speed a decode schedule of a given tokens-per-forward would reach.
+
+Random N(0, 0.02) weights with the Qwen2.5-1.5B shape (q/k/v biases, 151,936-token tied vocabulary) written once as
+a bf16 checkpoint in the Fast_dLLM_v2 layout's tensor names; the cost of a forward does not depend on the values.
+Every measurement runs in a child process of its own (peak RSS is the child's), threads interleaved per repeat:
+
+    python -m bench cpu-shape --shape qwen2.5-1.5b --threads 1,2 --out bench/results/cpu_shape_1.5b
+
+The projection replays Fast-dLLM v2's dual-cache schedule per 32-token block: one whole-block forward (block + 1
+positions) that refreshes the cache and commits, then sub-block steps (sub-block + 1 positions) until the block's 32
+tokens are in, at `--tpf` tokens per forward overall (the paper's 2.6 by default): block time = t(33) + (32 / tpf - 1)
+* t(9), against 32 AR steps of t(1).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from .common import parse_list, write_json
+
+BLOCK, SUB = 32, 8
+
+
+def child(args: argparse.Namespace) -> dict[str, Any]:
+    """One measurement in this process: load (and, with --widths, time forwards and an AR decode)."""
+    import torch
+
+    from engine import Engine
+
+    torch.set_num_threads(int(args.threads))
+    t0 = time.perf_counter()
+    eng = Engine.load(args.model, device="cpu")
+    out: dict[str, Any] = {"load_s": time.perf_counter() - t0, "info": eng.lm.info,
+                           "rss_after_load_mb": _rss_mb()}
+    if args.widths:
+        from .roofline import forward_at_width
+
+        model = eng.lm.base
+        out["forward_ms"] = {str(k): 1000 * forward_at_width(model, k, args.prefix, torch.device("cpu"), torch.float32,
+                                                             args.iters) for k in parse_list(args.widths, int)}
+        ids = eng.encode(eng.chat_prompt([{"role": "user", "content": "Count from one to fifty."}]))
+        cfg = eng.decode_config(mode="ar", max_new_tokens=args.ar_tokens, stop_token_ids=(eng.lm.cfg.vocab_size - 1,))
+        eng.generate_ids([ids], cfg)  # warm-up
+        t = time.perf_counter()
+        s = eng.generate_ids([ids], cfg)[0].summary
+        out["ar"] = {"tokens": len(s.token_ids), "seconds": time.perf_counter() - t}
+        out["ar"]["tok_s"] = out["ar"]["tokens"] / out["ar"]["seconds"]
+    out["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    return out
+
+
+def _rss_mb() -> float:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS")) / 1024
+
+
+def run_child(model: Path, cache: Path, threads: int, widths: str, args: argparse.Namespace,
+              act: str = "fp32") -> dict[str, Any]:
+    env = {**os.environ, "FASTDLLM_CACHE": str(cache), "FASTDLLM_THREADS": str(threads), "PYTHONUNBUFFERED": "1",
+           "FASTDLLM_WEIGHTS": "int4+bf16", "FASTDLLM_ACTIVATIONS": act}
+    cmd = [sys.executable, "-m", "bench.cpu_shape", "--child", "--model", str(model), "--threads", str(threads),
+           "--prefix", str(args.prefix), "--iters", str(args.iters), "--ar-tokens", str(args.ar_tokens)]
+    if widths:
+        cmd += ["--widths", widths]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    if done.returncode:
+        raise RuntimeError(f"child failed ({done.returncode}): {done.stderr[-2000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def projection(ms: dict[str, float], tpf: float) -> dict[str, float]:
+    """Diffusion/AR speed of the dual-cache schedule at `tpf` tokens per forward (module docstring)."""
+    block = ms[str(BLOCK + 1)] + (BLOCK / tpf - 1) * ms[str(SUB + 1)]
+    ar = BLOCK * ms["1"]
+    return {"tpf": tpf, "block_ms": block, "ar_block_ms": ar, "diffusion_over_ar": ar / block,
+            "x9_over_x1": ms[str(SUB + 1)] / ms["1"], "x33_over_x1": ms[str(BLOCK + 1)] / ms["1"]}
+
+
+def main(args: argparse.Namespace) -> int:
+    if args.child:
+        print(json.dumps(child(args)))
+        return 0
+    import torch
+
+    from .gpu import checkpoint, tokenizer_dir
+
+    work = Path(args.work or Path.home() / ".cache" / "fastdllm" / "bench" / args.shape)
+    if not (work / "model.safetensors").exists():
+        t = time.perf_counter()
+        checkpoint(args.shape, work, tokenizer_dir(), torch.bfloat16, torch.device("cpu"))
+        print(f"wrote {work} in {time.perf_counter() - t:.0f} s", flush=True)
+    cache = Path(tempfile.mkdtemp(prefix="fastdllm-q4-"))
+    report: dict[str, Any] = {"shape": args.shape, "checkpoint_gb": (work / "model.safetensors").stat().st_size / 1e9,
+                              "note": args.note}
+    report["first_load"] = run_child(work, cache, max(parse_list(args.threads, int)), "", args)
+    report["cached_load"] = run_child(work, cache, max(parse_list(args.threads, int)), "", args)
+    print(json.dumps({k: report[k] for k in ("first_load", "cached_load")}, indent=1), flush=True)
+    runs: dict[str, list[dict[str, Any]]] = {}
+    widths = ",".join(str(w) for w in sorted({1, SUB + 1, BLOCK + 1, *parse_list(args.widths, int)}))
+    for _ in range(args.repeats):  # settings interleaved
+        for th in parse_list(args.threads, int):
+            for act in parse_list(args.acts):
+                key = f"{th}/{act}"
+                runs.setdefault(key, []).append(run_child(work, cache, th, widths, args, act))
+                print(key, json.dumps(runs[key][-1]["forward_ms"]), runs[key][-1]["ar"], flush=True)
+    report["threads"] = {}  # "threads/activations" -> best of the repeats
+    for th, rs in runs.items():
+        ms = {k: min(r["forward_ms"][k] for r in rs) for k in rs[0]["forward_ms"]}
+        report["threads"][th] = {"forward_ms": ms, "ar_tok_s": max(r["ar"]["tok_s"] for r in rs),
+                                 "peak_rss_mb": max(r["peak_rss_mb"] for r in rs), "runs": rs,
+                                 "projection": projection(ms, args.tpf)}
+    write_json(Path(args.out) / "cpu_shape.json", report)
+    for th, r in report["threads"].items():
+        p = r["projection"]
+        print(f"threads/activations {th}: " + ", ".join(f"{k}-wide {v:.1f} ms" for k, v in r["forward_ms"].items())
+              + f"; 9/1 {p['x9_over_x1']:.2f}x, 33/1 {p['x33_over_x1']:.2f}x; AR {r['ar_tok_s']:.2f} tok/s; "
+              f"projected diffusion/AR at {args.tpf} tok/fwd {p['diffusion_over_ar']:.2f}x")
+    return 0
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--shape", default="qwen2.5-1.5b", help="a shape of bench/roofline.py's SHAPES")
+    p.add_argument("--work", default=None, help="where the random checkpoint is written once (default: the cache)")
+    p.add_argument("--threads", default="1,2")
+    p.add_argument("--acts", default="fp32,int8", help="activations of the 4-bit kernels' cached steps (FASTDLLM_ACTIVATIONS)")
+    p.add_argument("--widths", default="1,9,33", help="forward widths to time (1, 9 and 33 are always timed)")
+    p.add_argument("--prefix", type=int, default=256, help="cached tokens before each timed forward")
+    p.add_argument("--iters", type=int, default=5)
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--ar-tokens", type=int, default=32)
+    p.add_argument("--tpf", type=float, default=2.6, help="tokens per forward of the projected schedule")
+    p.add_argument("--note", default="", help="what else ran on the machine")
+    p.add_argument("--out", default="bench/results/cpu_shape")
+    p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--model", default=None, help=argparse.SUPPRESS)
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("cpu-shape", help="a real model's shape at 4-bit on CPU: load, memory, widths, AR, projection")
+    add_arguments(p)
+    p.set_defaults(func=main)
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(prog="python -m bench.cpu_shape")
+    add_arguments(parser)
+    sys.exit(main(parser.parse_args()))
