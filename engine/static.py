@@ -2,8 +2,10 @@
 
 Every cached decode forward has one of three widths: 1 (the AR step), sub_block + 1 (the dual-cache
 sub-block step: the sub-block and the token before it), or block (block-cache step, dual refresh, commit).
-A step's window is padded to its width and its logit rows to a power of two, so each (rows, width, logit
-rows) is one fixed shape: on CUDA it is captured once as a graph and replayed (one launch instead of ~400
+A step's window is padded to its width, row by row (in a dual-cache step a row's own forward may be narrower than
+the step's: the first sub-block's window, or a sub-block step beside a refresh; its pads write only the trash slot,
+so every row writes the K/V it would write alone), and its logit rows to a power of two, so each (rows, width,
+logit rows) is one fixed shape: on CUDA it is captured once as a graph and replayed (one launch instead of ~400
 small kernels); on CPU the same code runs eagerly. Batches of more than EXACT_ROWS rows are padded to a row
 bucket (`row_bucket`): a 512-row batch whose rows finish one by one would otherwise need a graph for nearly
 every row count (a capture costs about two eager steps); with buckets it needs at most 18 per width.

@@ -148,8 +148,8 @@ def call_raw(server, api: str, body: str) -> tuple[str, str]:
 # ---------------------------------------------------------------- concurrency and the queue bound
 def test_eight_users_share_forwards_and_each_get_their_own_answer(server, mode, sched):
     """8 visitors at once: their rows share the scheduler's forwards, and each answer is its single-user greedy
-    answer, token for token. The block cache (and AR) decode a batch exactly as single rows; the default dual cache
-    shares forwards too but may refresh more often in a batch (README, Serving), so it is not asserted exact."""
+    answer, token for token. The block cache here (and AR); the default dual cache's batches are exact too, tested
+    without the studio in tests/test_dual_batching.py."""
     from gradio_client import Client
 
     settings = {"mode": mode, "cache": "block", "max_new_tokens": 8, "temperature": 0.0}

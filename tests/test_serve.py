@@ -1,8 +1,8 @@
 """The OpenAI-compatible server (engine/serve.py) and its scheduler (engine/scheduler.py), on the real bundled model.
 
-A real uvicorn server on 127.0.0.1 (a free port) and the official `openai` client. Exactness is checked where
-batched decoding equals single-row decoding by construction: AR, and block diffusion with the block cache
-(batched dual-cache decoding may refresh more often than a single row does; README, Serving). Every decode is
+A real uvicorn server on 127.0.0.1 (a free port) and the official `openai` client. Exactness is checked for AR and
+block diffusion with the block cache (the dual cache's batches are exact too, tested in tests/test_dual_batching.py
+on the scheduler without HTTP, to keep this file's time down). Every decode is
 short (4 to 12 tokens; 48 only where a request must be cancelled part-way).
 """
 from __future__ import annotations

@@ -162,8 +162,8 @@ def test_a_layer_that_cannot_compile_falls_back_and_says_why(engine):
 def test_scheduler_batches_on_the_static_path_as_rows_join_mid_batch(engine, mode, cache):
     """Continuous batching on static shapes (issue 24): the scheduler's batches step through a static stepper of
     their own; a row that joins mid-batch has its prefilled K/V copied into the stepper's storage (which grows,
-    keeping the running rows', when it must). Each answer is the row's single-user answer (dual: greedy answers
-    of a batch may differ from single rows, so there the check is that every row finishes and the static path ran)."""
+    keeping the running rows', when it must). Each answer is the row's single-user answer (dual too: each row's
+    narrower window is padded to the step's width with pads that write only the trash slot)."""
     from engine.scheduler import Scheduler, batch_key
 
     prompts = [engine.encode(engine.chat_prompt([{"role": "user", "content": p}])) for p in PROMPTS]
@@ -192,10 +192,7 @@ def test_scheduler_batches_on_the_static_path_as_rows_join_mid_batch(engine, mod
     stepper = sched.steppers[batch_key(cfg)]
     assert stepper is not None and stepper.shapes, "the batches stepped through the scheduler's static stepper"
     assert stepper.rows >= 2 and {r for (r, _, _) in stepper.shapes} >= {1, 2}, "rows joined a running batch"
-    if mode == "diffusion" and cache == "dual":
-        assert all(s.stop_reason in ("stop_token", "max_new_tokens") and s.answer_tokens for s in got)
-    else:
-        assert [s.token_ids for s in got] == single
+    assert [s.token_ids for s in got] == single
 
 
 def test_scheduler_keeps_few_idle_static_steppers(engine):
