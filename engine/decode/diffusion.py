@@ -5,6 +5,7 @@ sub-blocks decoded left to right with confidence-thresholded parallel commits; a
 masks, one commit forward writes its clean K/V and yields the next block's first token.
 Cache modes: none (recompute the prefix), block (cached committed blocks), dual (also reuse the
 active block's K/V: a refresh forward at each new sub-block, then forwards of the sub-block only).
+In a batch every row runs the forward it would run alone (`_forwards`: rows grouped by their forward's width).
 """
 from __future__ import annotations
 
@@ -100,8 +101,8 @@ class DiffusionDecoder(Decoder):
         cfg, bs = self.cfg, self.cfg.block_size
         rows = [batch.rows[b] for b in at]
         every = len(at) == len(batch.rows)
-        rows_t = torch.tensor(at, device=self.device)
-        seq = batch.seq if every else batch.seq.index_select(0, rows_t)
+        rows_t = None if every else torch.tensor(at, device=self.device)
+        seq = batch.seq if rows_t is None else batch.seq.index_select(0, rows_t)
         ends = [r.block_start + bs for r in rows]  # every key before the active block's end is visible
         if cfg.cache == "none":  # the whole prefix from scratch, block-causal
             starts = [0] * len(rows)
@@ -128,10 +129,10 @@ class DiffusionDecoder(Decoder):
                                 logits_idx=idx, width=cfg.sub_block_size + 1 if sub else bs,
                                 lengths=[e - a for _, a, e in plan])
         else:
-            cache = batch.cache if every else batch.cache.take(rows_t, whole_key_quanta(kv_len))
+            cache = batch.cache if rows_t is None else batch.cache.take(rows_t, whole_key_quanta(kv_len))
             logits = self._step(seq.gather(1, pos), pos, cache, start=starts[0] if same else None, ends=ends,
                                 mask=mask, logits_idx=idx, width=width)
-            if not every:
+            if rows_t is not None:
                 batch.cache.put(rows_t, cache, min(starts), max(starts) + width)
         kinds = [kind for kind, _, _ in plan]
         self._after_forward(kinds, rows, batch.seq, targets, logits, [kind != "sub" for kind in kinds], at)
