@@ -98,7 +98,9 @@ def quantize_checkpoint(path: Path, num_layers: int, tied: bool) -> GGUFWeights:
             q4[n[: -len(".weight")]] = quantize_q4_1(t)
     embed_q, embed_d = quantize_q8_0(_read(files, ["model.embed_tokens.weight"])["model.embed_tokens.weight"])
     head = None
-    if not tied and "lm_head.weight" in files:
+    if not tied:
+        if "lm_head.weight" not in files:
+            raise ValueError(f"model: checkpoint {path} has an untied head but no lm_head.weight")
         head = quantize_q8_0(_read(files, ["lm_head.weight"])["lm_head.weight"])
     return GGUFWeights(q4, embed_q, embed_d, *(head or (None, None)))
 
