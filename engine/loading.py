@@ -227,10 +227,10 @@ def build_model(path: Path, device: torch.device, dtype: torch.dtype, skip: froz
     return model.to(device=device, dtype=dtype).eval().requires_grad_(False)
 
 
-def build_four_bit(path: Path, device: torch.device, dtype: torch.dtype, policy: quant.WeightPolicy) -> tuple[CausalLM, str]:
+def build_four_bit(path: Path, cfg: ModelConfig, device: torch.device, dtype: torch.dtype,
+                   policy: quant.WeightPolicy) -> tuple[CausalLM, str]:
     """Any Qwen2/Llama checkpoint with its projections at 4-bit (engine/q4_quantize.py: quantised tensor by tensor on
     the first load, cached under cache_dir()/q4/ after); also says how the blocks were obtained."""
-    cfg = ModelConfig.from_hf(json.loads((path / "config.json").read_text()))
     t0 = time.perf_counter()
     files = q4_quantize.weight_files(path)
     weights, cached = q4_quantize.cached_checkpoint(path, cfg.num_hidden_layers, cfg.tie_word_embeddings, cache_dir())
@@ -275,7 +275,7 @@ def load(model: str | None = None, device: str | None = None, dtype: str | None 
     four_bit = dev.type == "cpu" and policy.mode != "fp32" and unfit is None
     quantised = None
     if four_bit and source.kind != "bundled":
-        base, quantised = build_four_bit(source.path, dev, dt, policy)
+        base, quantised = build_four_bit(source.path, cfg0, dev, dt, policy)
     else:
         base = build_model(source.path, dev, dt)
     dllm = apply_adapter(base, source.adapter, merge_lora=not four_bit) if source.adapter else base
