@@ -5,7 +5,7 @@ Shapes (query width x keys): the AR step (1 token), the dual-cache sub-block ste
 block-cache step (a whole block), and the no-cache step (the whole prefix, block-causal mask), each
 with the LM head on the positions decoding reads (--widths: forced widths k instead, LM head on all k).
 Variants: dtype (float32 / bfloat16), torch.compile, or weights=MODE (the bundled GGUF's weights as
-engine/quant.py runs them), each timed round-robin with the others (iteration i of every variant, then
+engine/weights/quant.py runs them), each timed round-robin with the others (iteration i of every variant, then
 i + 1), so a busy machine's drift hits all alike; medians reported, ratios against the first variant.
 """
 from __future__ import annotations
@@ -24,7 +24,7 @@ from .common import load_engine, setup_torch, table, write_json
 
 
 def make_variant(model: torch.nn.Module, spec: str) -> torch.nn.Module:
-    if spec.startswith("weights="):  # the bundled GGUF's weights as Engine.load builds them (engine/quant.py)
+    if spec.startswith("weights="):  # the bundled GGUF's weights as Engine.load builds them (engine/weights/quant.py)
         return quantized(model, spec.removeprefix("weights="))
     parts = spec.split("+")
     m = model
@@ -32,8 +32,8 @@ def make_variant(model: torch.nn.Module, spec: str) -> torch.nn.Module:
         m = copy.deepcopy(model).to(torch.bfloat16)
     elif "fp16" in parts:
         m = copy.deepcopy(model).to(torch.float16)
-    if "packed" in parts:  # the engine's CPU decode layout (engine/packing.py), on a copy
-        from engine.packing import pack_for_decode
+    if "packed" in parts:  # the engine's CPU decode layout (engine/weights/packing.py), on a copy
+        from engine.weights.packing import pack_for_decode
 
         m = pack_for_decode(copy.deepcopy(m) if m is model else m)
     if "compile" in parts:
@@ -44,8 +44,8 @@ def make_variant(model: torch.nn.Module, spec: str) -> torch.nn.Module:
 def quantized(model: torch.nn.Module, spec: str) -> torch.nn.Module:
     """A copy of the bundled dLLM with FASTDLLM_WEIGHTS=mode[@wide_rows][/act] weights (LoRA as its own path;
     act = FASTDLLM_ACTIVATIONS of our 4-bit kernels, fp32 or int8)."""
-    from engine import quant
-    from engine.loading import BUNDLED_ADAPTER, bundled_base_dir, bundled_gguf_path, read_adapter_tensors
+    from engine.weights import quant
+    from engine.weights import BUNDLED_ADAPTER, bundled_base_dir, bundled_gguf_path, read_adapter_tensors
 
     spec, _, act = spec.partition("/")
     mode, _, wide = spec.partition("@")
@@ -88,7 +88,7 @@ def add_parser(sub) -> None:
     p.add_argument("--model", default=None)
     p.add_argument("--variants", default="fp32,bf16",
                    help="comma list of fp32, bf16, fp16, each optionally +packed (CPU decode layout) and/or +compile; "
-                        "or weights=MODE[@ROWS][/ACT] (the bundled GGUF's weights, FASTDLLM_WEIGHTS modes of engine/quant.py; "
+                        "or weights=MODE[@ROWS][/ACT] (the bundled GGUF's weights, FASTDLLM_WEIGHTS modes of engine/weights/quant.py; "
                         "ACT: fp32 or int8 activations of our 4-bit kernels)")
     p.add_argument("--widths", default=None,
                    help="comma list of forced widths k (k tokens against the cached prefix, LM head on all k) "

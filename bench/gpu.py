@@ -140,7 +140,7 @@ def tokenizer_dir(arg: str | None = None) -> Path:
         return Path(arg)
     if GPU_TOKENIZER.exists():
         return GPU_TOKENIZER
-    from engine.loading import ModelSourceError, bundled_base_dir
+    from engine.weights import ModelSourceError, bundled_base_dir
 
     try:
         return bundled_base_dir()
@@ -154,7 +154,7 @@ def checkpoint(shape: str, out: Path, tokenizer_dir: Path, dtype: torch.dtype, d
     """write_checkpoint plus a tokenizer (the bundled model's, with |<MASK>| added) so the engine can load it."""
     from transformers import AutoTokenizer
 
-    from engine.loading import MASK_TOKEN
+    from engine.weights import MASK_TOKEN
 
     tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
     tok.add_special_tokens({"additional_special_tokens": [MASK_TOKEN]})
@@ -263,7 +263,8 @@ def section_engine(args, dev: torch.device, dtype: torch.dtype, tokenizer_dir: P
 
 def section_bundled(args, dev: torch.device) -> dict[str, Any]:
     from engine import Engine
-    from engine.loading import ModelSourceError, bundled_base_dir, load
+    from engine.loading import load
+    from engine.weights import ModelSourceError, bundled_base_dir
 
     try:
         bundled_base_dir()
@@ -361,7 +362,7 @@ def prepare() -> int:
     """Here, before a GPU block: the tokenizer files the engine section needs (no model weights)."""
     import shutil
 
-    from engine.loading import bundled_base_dir
+    from engine.weights import bundled_base_dir
 
     src = bundled_base_dir()
     GPU_TOKENIZER.mkdir(parents=True, exist_ok=True)

@@ -3,7 +3,7 @@
 For each projection shape of the bundled model (fused q|k|v, o, gate|up, down) and each row count k, times:
   * torch's int4 weight-only kernel (`_weight_int4pack_mm_for_cpu`, group 32) with bf16 activations: the 4-bit path;
   * dense bf16 and fp32 products (`F.linear`) on the same shape;
-  * our kernels (engine/csrc/q4.cpp) where this CPU has them: the 4-bit weights with fp32 activations (`q4_f32`,
+  * our kernels (engine/weights/csrc/q4.cpp) where this CPU has them: the 4-bit weights with fp32 activations (`q4_f32`,
     the engine's narrow calls), int8 ones (`q4_i8`, FASTDLLM_ACTIVATIONS=int8) and bf16 ones (`q4_bf16`, wide
     calls; AVX-512 BF16), with each kernel's multiply-add rate (GMAC/s);
   * the whole model's weights streamed cold: one pass over a weight set larger than the caches, so the dense
@@ -44,8 +44,8 @@ def _time(fn: Callable[[], Any], iters: int, repeats: int) -> float:
 
 def kernel_table(widths: list[int], iters: int, repeats: int) -> tuple[list[dict[str, Any]], list[str]]:
     """Rows per (shape, k) and the kernel kinds timed (our kernels only where this CPU builds them)."""
-    from engine import cpu_kernels
-    from engine.quant import pack_pairs, tiled
+    from engine.weights import kernels as cpu_kernels
+    from engine.weights.quant import pack_pairs, tiled
 
     ours = cpu_kernels.load() if cpu_kernels.choice() != "torch" else None
     kinds = ["int4", "bf16", "fp32"] + (["q4_f32", "q4_i8"] if ours is not None else []) \

@@ -19,7 +19,7 @@ class LlamaCppBaseline:
         except ImportError as exc:
             raise SystemExit("--modes llamacpp: needs llama-cpp-python (pip install -r requirements-llamacpp.txt, "
                              f"built as README 'Dependencies' says): {exc}") from None
-        from engine.loading import bundled_gguf_path
+        from engine.weights import bundled_gguf_path
 
         if eng.lm.source.kind != "bundled":
             raise SystemExit("--modes llamacpp: compares against the bundled GGUF; run with the bundled model")

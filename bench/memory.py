@@ -50,7 +50,7 @@ def add_parser(sub) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from engine.quant import WeightPolicy
+    from engine.weights.quant import WeightPolicy
 
     modes = parse_list(args.weights)
     for w in modes:

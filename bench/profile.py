@@ -1,6 +1,6 @@
 """Where a decode's time goes: model forward (attention, MLP, LM head, the rest) vs the decoder's own work.
 
-On the bundled model's 4-bit CPU path, narrow forwards run each layer as one C++ call (engine/csrc/layer.cpp):
+On the bundled model's 4-bit CPU path, narrow forwards run each layer as one C++ call (engine/weights/csrc/layer.cpp):
 that time is reported as 'layer steps' (attention and MLP together); FASTDLLM_FUSED=0 splits it again.
 
 Forward hooks time each part with perf_counter (exact on CPU, where kernels run synchronously; on GPU
@@ -53,7 +53,7 @@ class Timers:
 
 
 class TimedStep:
-    """A model's one-call layer step (engine/quant.py LayerStep) with a timer: attention and MLP in one."""
+    """A model's one-call layer step (engine/weights/quant.py LayerStep) with a timer: attention and MLP in one."""
 
     def __init__(self, step: Any, tm: Timers):
         self.step, self.tm, self.max_width = step, tm, step.max_width

@@ -64,7 +64,7 @@ def timed(fn: Callable[[], Any], device: torch.device, iters: int, warmup: int =
 def weight_bytes(model: torch.nn.Module) -> int:
     """Bytes one forward streams: distinct parameters, minus the embedding table when the LM head is a
     separate tensor (a lookup reads only the query's rows). 4-bit models: what their narrow forward streams."""
-    from engine.quant import narrow_bytes
+    from engine.weights.quant import narrow_bytes
 
     four_bit = narrow_bytes(model)
     if four_bit is not None:
@@ -102,7 +102,7 @@ def random_model(shape: str, device: torch.device, dtype: torch.dtype):
     with torch.device(device):  # default init is fine: the cost of a forward does not depend on the values
         model = CausalLM(cfg)
     model = model.to(dtype).eval()
-    from engine import packing
+    from engine.weights import packing
 
     return packing.pack_for_decode(model) if packing.wanted(device) else model  # as Engine.load does
 

@@ -387,7 +387,7 @@ def main(args: argparse.Namespace) -> int:
         raise SystemExit("--repeats must be >= 1")
     check_modes(parse_list(args.modes))  # before the model loads
     if args.weights:
-        from engine.quant import WeightPolicy
+        from engine.weights.quant import WeightPolicy
 
         for w in parse_list(args.weights):
             try:

@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 from .config import CACHE_MODES, MODES, STRATEGIES, ConfigError, DecodeConfig
-from .loading import ModelSourceError
+from .weights import ModelSourceError
 from .scheduler import PREFILL_CHUNK
 from . import env
 

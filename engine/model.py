@@ -25,7 +25,7 @@ Attend = Callable[[Tensor, Tensor, Tensor], Tensor]  # (q, k, v) -> attention ou
 KEY_QUANTUM = 32
 
 
-# Forwards inside `wide_calls()` take the wide kernels of the 4-bit CPU path (engine/quant.py) at any width. An AR
+# Forwards inside `wide_calls()` take the wide kernels of the 4-bit CPU path (engine/weights/quant.py) at any width. An AR
 # prefill runs in it: a prompt's K/V then come out the same whether it is prefilled whole (one user) or as a shared
 # prefix plus a short suffix (a batch, engine/decode/), so batched answers stay the single-user ones.
 WIDE_CALLS: ContextVar[bool] = ContextVar("fastdllm_wide_calls", default=False)
@@ -150,7 +150,7 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(cfg.hidden_size, self.hkv * self.d, bias=cfg.attention_bias)
         self.v_proj = nn.Linear(cfg.hidden_size, self.hkv * self.d, bias=cfg.attention_bias)
         self.o_proj = nn.Linear(self.h * self.d, cfg.hidden_size, bias=False)
-        self.qkv: nn.Module | None = None  # fused q|k|v of the CPU decode layout (engine/packing.py)
+        self.qkv: nn.Module | None = None  # fused q|k|v of the CPU decode layout (engine/weights/packing.py)
 
     def project(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """q, k, v as [B, heads, T, head_dim], RoPE applied (shared with engine/static.py's step)."""
@@ -188,7 +188,7 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
-        self.gate_up: nn.Module | None = None  # fused gate|up of the CPU decode layout (engine/packing.py)
+        self.gate_up: nn.Module | None = None  # fused gate|up of the CPU decode layout (engine/weights/packing.py)
 
     def forward(self, x: Tensor) -> Tensor:
         if self.gate_up is not None:
@@ -229,8 +229,8 @@ class CausalLM(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        self.packed = False  # True after engine.packing.pack_for_decode (inference only)
-        self.steps: list | None = None  # engine/quant.py LayerStep per layer: cached forwards up to a block, one call each
+        self.packed = False  # True after engine.weights.packing.pack_for_decode (inference only)
+        self.steps: list | None = None  # engine/weights/quant.py LayerStep per layer: cached forwards up to a block, one call each
 
     def forward(self, ids: Tensor, pos: Tensor, cache: KVCache | None = None, *, start: int | None = None,
                 kv_len: int | None = None, mask: Tensor | Attend | None = None, causal: bool = False,

@@ -20,7 +20,7 @@ FILES[decode]="engine/decode/base.py engine/decode/ar.py engine/decode/diffusion
 TESTS[decode]="tests/test_oracle.py::test_engine_equals_oracle_on_random_models tests/test_oracle.py::test_static_stepper_equals_oracle_on_a_random_model tests/test_oracle.py::test_ar_equals_oracle_ar_on_random_models"
 FILES[model]="engine/model.py";        SOURCES[model]="engine/"
 TESTS[model]="tests/test_oracle.py::test_engine_equals_oracle_on_random_models tests/test_oracle.py::test_ar_equals_oracle_ar_on_random_models tests/test_engine.py::test_forward_matches_transformers_tiny_qwen2 tests/test_engine.py::test_block_causal_mask_rule tests/test_engine.py::test_cpu_decode_layout_computes_the_same_forward"
-FILES[quant]="engine/gguf_blocks.py engine/int4.py"; SOURCES[quant]="engine/"  # the 4-bit unpacking and layers
+FILES[quant]="engine/weights/gguf.py engine/weights/int4.py"; SOURCES[quant]="engine/"  # the 4-bit unpacking and layers
 TESTS[quant]="tests/test_quant.py::test_q4_1_blocks_dequantise_to_the_converted_checkpoint tests/test_quant.py::test_q8_lm_head_both_backends tests/test_quant.py::test_int4_linear_int4_and_dense_paths_and_lora"
 FILES[serve]="engine/serve/request.py"; SOURCES[serve]="engine/"  # the request validation
 TESTS[serve]="tests/test_serve.py"

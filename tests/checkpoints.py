@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from engine.loading import MASK_TOKEN, bundled_base_dir, save_adapter, read_state_dict
+from engine.weights import MASK_TOKEN, bundled_base_dir, save_adapter, read_state_dict
 
 QWEN_CHAT_TEMPLATE = (
     "{%- if messages[0]['role'] == 'system' %}{{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}"

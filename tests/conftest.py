@@ -12,7 +12,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # The suite's exactness tests (our forward == transformers, token for token) need the dequantised fp32
-# weights; the 4-bit default path (engine/quant.py) is tested in test_quant.py, which sets its own mode.
+# weights; the 4-bit default path (engine/weights/quant.py) is tested in test_quant.py, which sets its own mode.
 os.environ.setdefault("FASTDLLM_WEIGHTS", "fp32")
 
 

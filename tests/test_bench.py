@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parent.parent
 @pytest.fixture(scope="module")
 def adapter_env(tmp_path_factory):
     """Use the bundled adapter when it exists; otherwise an untrained mask-token row (mechanics only)."""
-    from engine.loading import BUNDLED_ADAPTER, bundled_base_dir, save_adapter
+    from engine.weights import BUNDLED_ADAPTER, bundled_base_dir, save_adapter
 
     if os.environ.get("FASTDLLM_ADAPTER") or BUNDLED_ADAPTER.exists():
         yield
@@ -308,7 +308,7 @@ def test_kernels_bench_times_each_projection_shape_and_width(tmp_path, capsys):
     rep = json.loads((tmp_path / "kernels.json").read_text())
     assert "int4 us" in out and rep["widths"] == [1, 4] and rep["cold_bf16_stream_gbps"] > 0
     assert {(r["shape"], r["k"]) for r in rep["rows"]} == {(s, k) for s in SHAPES for k in (1, 4)}
-    from engine import cpu_kernels
+    from engine.weights import kernels as cpu_kernels
 
     ours = all(f in cpu_kernels.cpu_flags() for f in cpu_kernels.NEEDS)
     assert rep["kinds"][:3] == ["int4", "bf16", "fp32"] and ("q4_f32" in rep["kinds"]) == ours

@@ -42,7 +42,7 @@ def decode(model, prompt: list[int], cfg: DecodeConfig, tb, chunks: list[int] | 
 def tb():
     from transformers import AutoTokenizer
 
-    from engine.loading import bundled_base_dir
+    from engine.weights import bundled_base_dir
     from engine.text import TokenBytes
 
     return TokenBytes(AutoTokenizer.from_pretrained(str(bundled_base_dir())))

@@ -26,7 +26,7 @@ PROMPTS = ["What is the capital of France?", "Name three colors.", "Write a shor
 
 
 def bundled_or_skip() -> Path:
-    from engine.loading import ModelSourceError, bundled_base_dir
+    from engine.weights import ModelSourceError, bundled_base_dir
 
     try:
         return bundled_base_dir()
@@ -43,7 +43,7 @@ def check_against_transformers(path: Path, device: str, vocab: int) -> None:
     compared with transformers in fp32, and ours must be no further from it than transformers' own bf16."""
     from transformers import AutoModelForCausalLM
 
-    from engine.loading import build_model
+    from engine.weights import build_model
 
     dev = torch.device(device)
     ids = torch.randint(0, vocab, (2, 64), generator=torch.Generator().manual_seed(0)).to(dev)
@@ -93,7 +93,7 @@ def source_for(device: str, toy: Path) -> str | None:
     """CPU: the toy checkpoint (seconds); CUDA: the bundled model (None) when present, else the toy one."""
     if device == "cpu":
         return str(toy)
-    from engine.loading import ModelSourceError, bundled_base_dir
+    from engine.weights import ModelSourceError, bundled_base_dir
 
     try:
         bundled_base_dir()
@@ -207,12 +207,12 @@ def test_common_prefix_and_the_tokenizer_hint(monkeypatch, tmp_path):
     """The engine section's agreement measure, and a machine with neither '.gpu/tokenizer' nor the bundled model
     gets the fix named (GPU block 2's call 1 got four raw ModelSourceErrors from the toy fixture)."""
     import bench.gpu as g
-    from engine.loading import ModelSourceError
+    from engine.weights import ModelSourceError
 
     assert g.common_prefix([1, 2, 3], [1, 2, 4]) == 2 and g.common_prefix([5], [6]) == 0
     assert g.common_prefix([1, 2], [1, 2, 3]) == 2
     monkeypatch.setattr(g, "GPU_TOKENIZER", tmp_path / ".gpu" / "tokenizer")
-    monkeypatch.setattr("engine.loading.cache_dir", lambda: tmp_path / "cache")
+    monkeypatch.setattr("engine.weights.sources.cache_dir", lambda: tmp_path / "cache")
     monkeypatch.setenv("FASTDLLM_GGUF", str(tmp_path / "missing.gguf"))
     with pytest.raises(ModelSourceError, match=r"bench gpu --prepare.*carry '\.gpu'"):
         g.tokenizer_dir()

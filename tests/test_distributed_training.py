@@ -109,7 +109,7 @@ def test_resume_after_a_kill_is_exact(runs):
 
 def test_full_finetune_trains_every_tensor_and_exports_a_checkpoint_the_engine_loads(tiny_fast_dllm, tmp_path):
     from engine import Engine
-    from engine.loading import build_model
+    from engine.weights import build_model
     from training.__main__ import main
 
     rows = [{"messages": [{"role": "user", "content": f"Count from {i}."},

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from engine import ConfigError, DecodeConfig, Trace
-from engine.loading import build_model, bundled_base_dir
+from engine.weights import build_model, bundled_base_dir
 from engine.model import block_causal_mask
 from engine.sampling import sample, select_commits
 from engine.text import IncrementalDetokenizer, TokenBytes
@@ -50,7 +50,7 @@ def test_cpu_decode_layout_computes_the_same_forward(tmp_path):
     import copy
 
     from engine.model import KVCache
-    from engine.packing import PackedLinear, pack_for_decode
+    from engine.weights.packing import PackedLinear, pack_for_decode
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(0)
@@ -80,7 +80,7 @@ def test_cpu_decode_layout_computes_the_same_forward(tmp_path):
 
 def test_engine_packs_the_ar_model_only(engine):
     """CPU: the AR base gets the decode layout (1-token steps), the separate dLLM keeps nn.Linear (multi-token)."""
-    from engine.packing import PackedLinear
+    from engine.weights.packing import PackedLinear
 
     base, dllm = engine.lm.base, engine.lm.dllm
     assert base.packed and isinstance(base.model.layers[0].mlp.gate_up, PackedLinear)

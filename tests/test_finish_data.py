@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from engine.loading import bundled_base_dir, load_tokenizer
+from engine.weights import bundled_base_dir, load_tokenizer
 from training.examples import Example, load_data
 from training.finish import MIN_KEPT, FinishStats, Pieces, finish_answer, sentence_ends
 from training.recipe import build_batch, draw_noise

@@ -13,7 +13,7 @@ import torch
 from safetensors import safe_open
 
 from engine import Engine
-from engine.loading import MASK_TOKEN, build_model, bundled_base_dir, bundled_gguf_path, load_tokenizer
+from engine.weights import MASK_TOKEN, build_model, bundled_base_dir, bundled_gguf_path, load_tokenizer
 from training import gpu_block, weights
 from training.__main__ import main
 from training.examples import load_examples

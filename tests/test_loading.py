@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from engine import Engine
-from engine.loading import ModelSourceError, bundled_base_dir, resolve_source
+from engine.weights import ModelSourceError, bundled_base_dir, resolve_source
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -80,7 +80,7 @@ def test_gguf_conversion_is_cached():
     projections of the first, a middle and the last layer, and the Q8_0 embedding) are the cached ones, exactly."""
     import gguf
 
-    from engine.loading import bundled_gguf_path, read_state_dict
+    from engine.weights import bundled_gguf_path, read_state_dict
 
     path = bundled_base_dir()
     before = (path / "model.safetensors").stat().st_mtime_ns
@@ -146,7 +146,7 @@ def test_cli_chat_multi_turn():
 
 def test_bf16_model_keeps_fp32_rotary_angles(tiny_fast_dllm):
     """Module.to(bf16) must not round inv_freq: bf16 angles drift by radians at long positions."""
-    from engine.loading import build_model
+    from engine.weights import build_model
 
     model = build_model(tiny_fast_dllm, torch.device("cpu"), torch.bfloat16)
     assert model.rope.inv_freq.dtype == torch.float32

@@ -144,7 +144,7 @@ def test_quality_long_only_measures_every_mode_from_its_outputs(tmp_path, capsys
     the same JSON; each rate equals the count of its outputs; complete-only tokens per forward only over complete
     outputs; the checkable grade equals the grader's on the recorded text."""
     from bench.__main__ import main
-    from engine.loading import BUNDLED_ADAPTER
+    from engine.weights import BUNDLED_ADAPTER
 
     if not BUNDLED_ADAPTER.exists():
         pytest.skip("needs the bundled adapter in assets/")

@@ -34,7 +34,7 @@ RULES = [("threshold", 0.5, 1.0), ("threshold", 0.9, 1.0), ("threshold", 1.0, 1.
 def tb():
     from transformers import AutoTokenizer
 
-    from engine.loading import bundled_base_dir
+    from engine.weights import bundled_base_dir
 
     return TokenBytes(AutoTokenizer.from_pretrained(str(bundled_base_dir())))
 

@@ -169,7 +169,7 @@ def test_ar_equals_transformers_generate_with_the_knobs(engine, one_thread):
     arguments, token for token (their processors see prompt + output, as ours do)."""
     from transformers import AutoModelForCausalLM
 
-    from engine.loading import bundled_base_dir
+    from engine.weights import bundled_base_dir
 
     hf = AutoModelForCausalLM.from_pretrained(bundled_base_dir(), dtype=torch.float32).eval()
     for kw in ({"repetition_penalty": 1.3}, {"no_repeat_ngram_size": 3}, {"repetition_penalty": 0.8, "no_repeat_ngram_size": 2}):

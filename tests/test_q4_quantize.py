@@ -1,4 +1,4 @@
-"""Any checkpoint at 4-bit on the CPU (engine/q4_quantize.py): llama.cpp's rounding, exact round trips through the
+"""Any checkpoint at 4-bit on the CPU (engine/weights/q4_quantize.py): llama.cpp's rounding, exact round trips through the
 bundled GGUF, Qwen2's biases and an untied head, the cache, and our kernels at the 1.5B/7B input widths."""
 from __future__ import annotations
 
@@ -9,10 +9,11 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from engine import Engine, cpu_kernels, q4_quantize, quant
-from engine.gguf_blocks import GROUP
-from engine.int4 import Int4Linear, pack_pairs, tiled
-from engine.loading import bundled_base_dir, build_model
+from engine import Engine
+from engine.weights import kernels as cpu_kernels, q4_quantize, quant
+from engine.weights.gguf import GROUP
+from engine.weights.int4 import Int4Linear, pack_pairs, tiled
+from engine.weights import bundled_base_dir, build_model
 from engine.model import KVCache
 
 HAS_OURS = all(f in cpu_kernels.cpu_flags() for f in cpu_kernels.NEEDS)

@@ -1,12 +1,12 @@
-"""4-bit weights at run time (engine/quant.py) on the real bundled GGUF and adapter."""
+"""4-bit weights at run time (engine/weights/quant.py) on the real bundled GGUF and adapter."""
 from __future__ import annotations
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from engine import cpu_kernels, quant
-from engine.loading import BUNDLED_ADAPTER, bundled_base_dir, bundled_gguf_path, read_adapter_tensors, read_state_dict
+from engine.weights import kernels as cpu_kernels, quant
+from engine.weights import BUNDLED_ADAPTER, bundled_base_dir, bundled_gguf_path, read_adapter_tensors, read_state_dict
 
 PROMPTS = ["What is the capital of France?", "Give me three tips for staying healthy."]
 HAS_OURS = all(f in cpu_kernels.cpu_flags() for f in cpu_kernels.NEEDS)
@@ -55,16 +55,16 @@ def test_q4_1_blocks_dequantise_to_the_converted_checkpoint(gguf, fresh_cache):
 
 @pytest.fixture(params=[pytest.param("ours", marks=needs_ours), "torch"])
 def kernels(request, monkeypatch) -> str:
-    """Both 4-bit backends: our AVX-512 kernels (engine/csrc/q4.cpp, compiled once) and torch's int4 kernel."""
+    """Both 4-bit backends: our AVX-512 kernels (engine/weights/csrc/q4.cpp, compiled once) and torch's int4 kernel."""
     monkeypatch.setenv("FASTDLLM_KERNELS", request.param)
     return request.param
 
 
 def test_requantising_the_bundled_checkpoint_gives_the_gguf_blocks_exactly(gguf):
-    """The bundled checkpoint holds the GGUF's dequantised weights: quantising it again at load (engine/q4_quantize.py,
+    """The bundled checkpoint holds the GGUF's dequantised weights: quantising it again at load (engine/weights/q4_quantize.py,
     the path of any other checkpoint) gives back every Q4_1 block and the Q8_0 embedding bit for bit (compared with
     the fresh parse of the GGUF, not the engine's cache); tests/test_q4_quantize.py decodes with them."""
-    from engine import q4_quantize
+    from engine.weights import q4_quantize
 
     ours = q4_quantize.quantize_checkpoint(bundled_base_dir(), 30, tied=True)
     assert len(ours.q4) == 7 * 30 and ours.head_q is None
@@ -110,7 +110,7 @@ def test_int4_linear_int4_and_dense_paths_and_lora(gguf, kernels, act):
 
 @needs_ours
 def test_our_kernels_match_the_dequantised_weights_row_by_row(gguf, monkeypatch):
-    """engine/csrc/q4.cpp on the real Q4_1 / Q8_0 weights: fp32 activations give the fp32 product (to summation
+    """engine/weights/csrc/q4.cpp on the real Q4_1 / Q8_0 weights: fp32 activations give the fp32 product (to summation
     order), int8 ones stay within llama.cpp-like error; every row equals itself computed alone, at any row count
     and thread count (exact batching); bad shapes are refused with the parameter named."""
     monkeypatch.setenv("FASTDLLM_KERNELS", "ours")
@@ -239,7 +239,7 @@ def test_q8_lm_head_both_backends(gguf, kernels):
 @needs_ours
 @pytest.mark.timeout(600)  # three engine loads and 4-bit decodes: ~2 min on the shared box
 def test_one_call_layer_step_matches_the_eager_layers(monkeypatch):
-    """engine/csrc/layer.cpp: a cached forward of up to a block runs each decoder layer as one call (AR base and dLLM
+    """engine/weights/csrc/layer.cpp: a cached forward of up to a block runs each decoder layer as one call (AR base and dLLM
     with its LoRA; below the switch point fp32 activations, from it bf16 ones as the eager wide calls); its logits
     match the eager layers', greedy answers are the same, and wider forwards and AR prefills keep the eager path."""
     from engine import Engine

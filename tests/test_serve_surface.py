@@ -18,7 +18,7 @@ from fastapi.testclient import TestClient
 
 from engine.engine import Result
 from engine.events import Event, Summary, Token, Trace
-from engine.loading import MASK_TOKEN
+from engine.weights import MASK_TOKEN
 from engine.scheduler import Scheduler, Ticket
 from engine.serve import MAX_JSON_DEPTH, create_app
 

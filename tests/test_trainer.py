@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from engine.loading import apply_adapter
+from engine.weights import apply_adapter
 from training import adapter_io
 from training.attention import Blockwise, Flex, choose, dense_mask
 from training.examples import PAIR_READERS, load_data
@@ -221,7 +221,7 @@ def test_export_to_writes_fp16_parts_that_apply_like_one_file(tmp_path):
 @pytest.mark.parametrize("rank,parts", [(32, 2), (64, 3)])
 def test_real_base_adapter_fits_16_mib_files(tmp_path, rank, parts):
     """SmolLM2-135M shapes: r=32 is 19.5 MB and r=64 39 MB in fp16, so they travel as <= 16 MiB parts."""
-    from engine.loading import build_model, resolve_source
+    from engine.weights import build_model, resolve_source
     from training.lora import add_adapter, trainable_state
 
     model = build_model(resolve_source("bundled-base").path, torch.device("cpu"), torch.bfloat16)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from engine.config import ModelConfig
-from engine.loading import apply_adapter
+from engine.weights import apply_adapter
 from engine.model import CausalLM
 from training.examples import Example
 from training.export import export

@@ -67,7 +67,7 @@ def cmd_throughput(a: argparse.Namespace) -> None:
 
     _threads(a.threads)
     if a.padding:
-        from engine.loading import MASK_TOKEN, load_tokenizer, resolve_source
+        from engine.weights import MASK_TOKEN, load_tokenizer, resolve_source
 
         from .examples import load_data
         from .train_speed import padding_table

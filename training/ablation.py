@@ -59,7 +59,7 @@ def score_heldout(model, val: list, block_size: int, mask_id: int, pad_id: int, 
 
 def heldout_metrics(adapter: Path, data: Path, val_size: int, block_size: int) -> dict:
     """score_heldout for the bundled base + this adapter on the last val_size examples of the data."""
-    from engine.loading import MASK_TOKEN, apply_adapter, build_model, load_tokenizer, resolve_source
+    from engine.weights import MASK_TOKEN, apply_adapter, build_model, load_tokenizer, resolve_source
 
     from .examples import load_examples
 

@@ -1,6 +1,6 @@
 """Adapter files in fp16, split into parts of at most `max_bytes` (the GPU machine returns files <= 16 MiB).
 
-Same format as engine.loading.save_adapter (`lora_A.* / lora_B.* / set.* / extend.*`, lora_scale in the
+Same format as engine.weights.save_adapter (`lora_A.* / lora_B.* / set.* / extend.*`, lora_scale in the
 metadata), so a single-part file is what `apply_adapter` and FASTDLLM_ADAPTER take. Every part is itself
 a valid adapter (a LoRA pair never straddles two parts), and `join` writes them back as one file.
 fp16 rather than bf16: the same 2 bytes with 3 more mantissa bits; LoRA factors are far from its range
@@ -16,7 +16,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import Tensor
 
-from engine.loading import ADAPTER_FORMAT, MASK_TOKEN
+from engine.weights import ADAPTER_FORMAT, MASK_TOKEN
 
 from .lora import adapter_tensors
 

@@ -1,4 +1,4 @@
-"""Checkpoint -> the adapter file the engine loads (engine.loading.apply_adapter's format)."""
+"""Checkpoint -> the adapter file the engine loads (engine.weights.apply_adapter's format)."""
 from __future__ import annotations
 
 import json
@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch
 
-from engine.loading import save_adapter
+from engine.weights import save_adapter
 
 from .lora import adapter_tensors
 from .train import latest_checkpoint, phase_summary, phases
@@ -26,7 +26,7 @@ def export(run: Path, out: Path, checkpoint: Path | None = None, after: list[Pat
     lora, sets, new_rows = adapter_tensors(sd["trainable"])
     if new_rows is not None and sd["mask_id"] < sd["base_vocab"]:
         # a spare row of a padded embedding (Qwen2.5): the format can only replace the whole matrix
-        from engine.loading import read_state_dict, resolve_source
+        from engine.weights import read_state_dict, resolve_source
 
         emb = read_state_dict(resolve_source(cfg["model"]).path)["model.embed_tokens.weight"].float().clone()
         emb[sd["mask_id"]:sd["mask_id"] + new_rows.shape[0]] = new_rows.float()
@@ -63,7 +63,7 @@ def merge(adapter: Path, base_spec: str, out_dir: Path, dtype: str = "bfloat16")
     The engine applies adapters only to the bundled base; any other adapted model ships merged, and the
     paper's layout (training/fast_dllm_format.py) lets other tools read it too.
     """
-    from engine.loading import apply_adapter, build_model, load_tokenizer, resolve_source
+    from engine.weights import apply_adapter, build_model, load_tokenizer, resolve_source
 
     from . import fast_dllm_format
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from engine.loading import MASK_TOKEN
+from engine.weights import MASK_TOKEN
 from engine.model import CausalLM
 
 HUB_CODE = "Efficient-Large-Model/Fast_dLLM_v2_1.5B"  # where auto_map finds configuration.py / modeling.py

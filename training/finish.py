@@ -190,7 +190,7 @@ def iter_finished_shards(path: Path, stop_id: int, max_len: int, policy: str = "
 def write_report(data: Path, max_lens: Sequence[int]) -> dict:
     """Counts of every policy at each max_len over a self-instruct directory, written into its manifest.json
     under "answers_policy" (with the rules), so the data set says what training will read of it."""
-    from engine.loading import bundled_base_dir, load_tokenizer
+    from engine.weights import bundled_base_dir, load_tokenizer
 
     tok = load_tokenizer(bundled_base_dir(), add_mask_token=False)
     stop_id = tok.convert_tokens_to_ids("<|im_end|>")

@@ -36,7 +36,7 @@ def make_full(model: CausalLM, mask_id: int) -> list[str]:
         head = nn.Linear(model.cfg.hidden_size, new.num_embeddings, bias=False, device=w.device, dtype=w.dtype)
         if model.cfg.tie_word_embeddings:
             head.weight = new.weight
-        else:  # the mask token is never a target: a zero output row, as engine.loading.apply_adapter adds
+        else:  # the mask token is never a target: a zero output row, as engine.weights.apply_adapter adds
             with torch.no_grad():
                 head.weight.zero_()
                 head.weight[:-1] = model.lm_head.weight.detach()
@@ -50,7 +50,7 @@ def make_full(model: CausalLM, mask_id: int) -> list[str]:
 
 def export_checkpoint(sd: dict, out_dir: Path, dtype: str = "bfloat16") -> Path:
     """A full fine-tuning checkpoint (training.train's format, `config["full"]`) -> a Fast_dLLM_v2 directory."""
-    from engine.loading import MASK_TOKEN, build_model, load_tokenizer, resolve_source
+    from engine.weights import MASK_TOKEN, build_model, load_tokenizer, resolve_source
 
     from . import fast_dllm_format
 

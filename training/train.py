@@ -426,7 +426,7 @@ class Base:
 
 
 def load_base(cfg: TrainConfig, device: torch.device) -> Base:
-    from engine.loading import MASK_TOKEN, build_model, load_tokenizer, resolve_source
+    from engine.weights import MASK_TOKEN, build_model, load_tokenizer, resolve_source
 
     source = resolve_source(cfg.model)
     model = build_model(source.path, device, torch.float32)

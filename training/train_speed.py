@@ -114,7 +114,7 @@ def profile_step(trainer, top: int = 12) -> list[dict]:
 
 
 def measure(cfg: ThroughputConfig) -> dict:
-    from engine.loading import MASK_TOKEN, build_model, load_tokenizer, resolve_source
+    from engine.weights import MASK_TOKEN, build_model, load_tokenizer, resolve_source
 
     from .examples import load_data
     from .train import TrainConfig, Trainer

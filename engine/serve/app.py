@@ -34,7 +34,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from ..config import ConfigError
 from ..engine import Engine, Result
 from ..events import Event
-from ..loading import MASK_TOKEN
+from ..weights import MASK_TOKEN
 from ..scheduler import MAX_BATCH, PREFILL_CHUNK, Scheduler, SchedulerBusy
 from .request import (FINISH, MAX_BODY_BYTES, MAX_ECHO_DIFFUSION_TOKENS, MAX_JSON_DEPTH, MAX_PROMPT_CHARS, ApiError,
                       ApiRequest, _depth, _messages, _text, parse)

@@ -8,7 +8,7 @@ from fastapi.responses import JSONResponse
 
 from ..config import ConfigError, DecodeConfig
 from ..engine import Engine
-from ..loading import MASK_TOKEN
+from ..weights import MASK_TOKEN
 
 KNOBS = ("mode", "block_size", "sub_block_size", "threshold", "strategy", "factor", "cache", "stop_guard")
 PENALTIES = ("frequency_penalty", "presence_penalty", "repetition_penalty", "no_repeat_ngram_size")

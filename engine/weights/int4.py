@@ -2,7 +2,7 @@
 kept as stored.
 
 A Q4_1 block stores 32 weights as q in 0..15 with an fp16 scale d and minimum m: w = d*q + m. Two backends:
-* ours (engine/cpu_kernels.py, engine/csrc/; CPUs with AVX-512 VNNI and a C++ compiler): narrow calls multiply
+* ours (engine/weights/kernels.py, engine/weights/csrc/; CPUs with AVX-512 VNNI and a C++ compiler): narrow calls multiply
   the file's q, d, m with fp32 activations (the fp32 path's numbers up to summation order) or, with
   FASTDLLM_ACTIVATIONS=int8, int8 ones per 32-group (VNNI); wide calls dequantise tiles to bf16 in L1
   (q4_bf16, AVX-512 BF16) or use a dense bf16 copy; the head runs its Q8_0 rows at every width; and
@@ -28,10 +28,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from . import cpu_kernels
-from .model import WIDE_CALLS
-from . import env
-from .gguf_blocks import GROUP, Q4Blocks
+from . import kernels as cpu_kernels
+from ..model import WIDE_CALLS
+from .. import env
+from .gguf import GROUP, Q4Blocks
 
 HEAD_WIDE_ROWS = 4  # LM head: int4 planes below, dense bf16 from here (7.4 vs 14.8 ms at 1 row, 25.5 vs 20.7 at 8);
 # counted per sequence, so an 8-row AR batch pays the 25.5 ms to keep every row's logits equal to its own alone
@@ -46,8 +46,8 @@ ACTS = ("fp32", "int8")
 DEFAULT_ACT = "fp32"  # activations of our kernels' narrow calls (README: speed and greedy agreement of both)
 
 
-MAX_K = 20480  # engine/csrc/q4.cpp's kMaxGroups groups of 32 (Qwen2.5-7B's MLP has 18944 inputs)
-TILE = 4  # our kernels' output tile: its rows are interleaved into one weight stream (engine/csrc/q4.cpp)
+MAX_K = 20480  # engine/weights/csrc/q4.cpp's kMaxGroups groups of 32 (Qwen2.5-7B's MLP has 18944 inputs)
+TILE = 4  # our kernels' output tile: its rows are interleaved into one weight stream (engine/weights/csrc/q4.cpp)
 
 
 def tiled(t: Tensor, chunks: int) -> Tensor:
@@ -59,7 +59,7 @@ def tiled(t: Tensor, chunks: int) -> Tensor:
 
 def pack_pairs(q: Tensor) -> Tensor:
     """q [N, K] in 0..15 -> uint8 [N, K/2]: per pair of 32-groups (g, g + 1), byte b holds q_g[b] in its low nibble
-    and q_{g+1}[b] in its high one; then tiled (engine/csrc/q4.cpp's layout)."""
+    and q_{g+1}[b] in its high one; then tiled (engine/weights/csrc/q4.cpp's layout)."""
     n, k = q.shape
     g = q.view(n, k // (2 * GROUP), 2, GROUP).to(torch.uint8)
     return tiled((g[:, :, 0] | (g[:, :, 1] << 4)).reshape(n, k // 2), k // (2 * GROUP))
@@ -74,7 +74,7 @@ def _ours(n: int, k: int) -> ModuleType | None:
 class Int4Weight(nn.Module):
     """One (fused) projection's base weight, 4-bit, and what wide calls run (int4+bf16).
 
-    With our kernels (engine/cpu_kernels.py): the file's q, d, m as they are (`qs` nibble pairs, `dm` fp16, `mt` =
+    With our kernels (engine/weights/kernels.py): the file's q, d, m as they are (`qs` nibble pairs, `dm` fp16, `mt` =
     m as fp32 [groups, out] for the int8-activation path); wide calls dequantise tiles to bf16 on the fly
     (`q4_bf16`, on CPUs with AVX-512 BF16) or, elsewhere, use a dense bf16 copy. Otherwise torch's int4 pack, whose
     kernel wants bf16 scales and zeros (d and m + 8d rounded to bf16), and a dense bf16 copy."""
@@ -281,7 +281,7 @@ class Q8Embedding(nn.Module):
 
 
 class LayerStep:
-    """One decoder layer's narrow forward as a single call of our kernels (engine/csrc/layer.cpp), for layers whose
+    """One decoder layer's narrow forward as a single call of our kernels (engine/weights/csrc/layer.cpp), for layers whose
     four projections are Int4Linear on our kernels. Holds the layer's tensors, gathered once: the model is
     inference-only once its weights are quantised."""
 

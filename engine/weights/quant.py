@@ -1,6 +1,6 @@
 """The bundled model at 4-bit: which weights the projections run with (WeightPolicy, FASTDLLM_WEIGHTS: int4+bf16 by
-default, int4, bf16, fp32) and assembling the AR base and the dLLM from the GGUF's blocks (engine/gguf_blocks.py) as
-4-bit layers (engine/int4.py has the kernels' story). Base and dLLM share one copy of the 4-bit weights; the
+default, int4, bf16, fp32) and assembling the AR base and the dLLM from the GGUF's blocks (engine/weights/gguf.py) as
+4-bit layers (engine/weights/int4.py has the kernels' story). Base and dLLM share one copy of the 4-bit weights; the
 adapter's LoRA stays a separate low-rank path."""
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from .model import CausalLM
-from . import env
-from .gguf_blocks import GROUP, GGUF_NAMES, GGUFWeights, Q4Blocks, cached_gguf, read_gguf  # noqa: F401 (engine.quant.X)
+from ..model import CausalLM
+from .. import env
+from .gguf import GROUP, GGUF_NAMES, GGUFWeights, Q4Blocks, cached_gguf, read_gguf  # noqa: F401 (engine.weights.quant.X)
 from .int4 import (ACTS, DEFAULT_ACT, FUSED_MAX_WIDTH, HEAD_WIDE_ROWS, OURS_WIDE_ROWS, TILE,  # noqa: F401
                    TORCH_WIDE_ROWS, DenseBF16Linear, Int4Linear, Int4Weight, LayerStep, LMHead, LoRA, Q8Embedding,
                    Q8Head, fused_wanted, pack_pairs, q8_planes, tiled)
@@ -137,7 +137,7 @@ def quantize_bundled(base: CausalLM, dllm: CausalLM, gguf_path: Path, cache: Pat
                      lora_scale: float, policy: WeightPolicy) -> None:
     """Put the GGUF's 4-bit weights into `base` and, when it is a separate model, `dllm` (in place).
 
-    `dllm` was built by merging the adapter into dense weights (loading.apply_adapter); its projections,
+    `dllm` was built by merging the adapter into dense weights (adapter.apply_adapter); its projections,
     embedding and head are replaced here by the shared 4-bit ones plus the adapter's separate LoRA path.
     """
     w = cached_gguf(gguf_path, base.cfg.num_attention_heads, base.cfg.num_key_value_heads, cache)
@@ -152,8 +152,8 @@ def quantize_bundled(base: CausalLM, dllm: CausalLM, gguf_path: Path, cache: Pat
 
 
 def quantize_checkpoint_model(model: CausalLM, weights: GGUFWeights, policy: WeightPolicy) -> None:
-    """Put a checkpoint's quantised blocks (engine/q4_quantize.py) into `model`, in place: the projections, the
-    embedding and the head were left unread (on the meta device) by loading.build_model(skip=...)."""
+    """Put a checkpoint's quantised blocks (engine/weights/q4_quantize.py) into `model`, in place: the projections, the
+    embedding and the head were left unread (on the meta device) by checkpoint.build_model(skip=...)."""
     QuantizedPair(weights, policy).apply(model)
     left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
     if left:

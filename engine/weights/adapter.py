@@ -8,8 +8,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from .config import ModelConfig
-from .model import CausalLM
+from ..config import ModelConfig
+from ..model import CausalLM
 
 MASK_TOKEN = "|<MASK>|"
 ADAPTER_FORMAT = "fastdllm-adapter-v1"
@@ -23,7 +23,7 @@ def apply_adapter(base: CausalLM, adapter: Path, merge_lora: bool = True) -> Cau
     """A new model: base + merged LoRA deltas + replaced tensors + new vocabulary rows (the mask token).
 
     Parameters the adapter does not touch are shared with `base`, so both fit in ~1.3x one model.
-    merge_lora=False leaves the LoRA deltas out (engine/quant.py runs them as a separate path).
+    merge_lora=False leaves the LoRA deltas out (engine/weights/quant.py runs them as a separate path).
     """
     with safe_open(str(adapter), "pt") as f:
         meta = f.metadata() or {}

@@ -1,5 +1,5 @@
 """Any Qwen2/Llama safetensors checkpoint at 4-bit: quantised at load, tensor by tensor, into the blocks the bundled
-GGUF carries (engine/gguf_blocks.py), and cached on disk.
+GGUF carries (engine/weights/gguf.py), and cached on disk.
 
 Projections become Q4_1 (groups of 32: w = d*q + m, q in 0..15, fp16 d and m) and the embedding and LM head Q8_0
 (w = d*q, q in -127..127), with llama.cpp's reference rounding (`quantize_row_q4_1_ref` / `quantize_row_q8_0_ref`):
@@ -7,7 +7,7 @@ re-quantising a GGUF's dequantised weights gives back its blocks bit for bit (te
 checkpoint dequantised from a GGUF decodes with the GGUF path's tokens.
 
 Peak memory: tensors are read one at a time from the safetensors files, which are reopened per layer so the pages
-already read are unmapped; no dense model is ever built. Biases and norms stay as stored (engine/quant.py).
+already read are unmapped; no dense model is ever built. Biases and norms stay as stored (engine/weights/quant.py).
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ import torch
 from safetensors import safe_open
 from torch import Tensor
 
-from .gguf_blocks import GGUF_NAMES, GROUP, GGUFWeights, Q4Blocks, load_blocks, save_blocks
+from .gguf import GGUF_NAMES, GROUP, GGUFWeights, Q4Blocks, load_blocks, save_blocks
 
 FORMAT = "fastdllm-q4-v1"  # bump when the rounding or the layout below changes: old caches are then ignored
 PROJECTIONS = tuple(GGUF_NAMES.values())

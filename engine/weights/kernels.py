@@ -1,8 +1,8 @@
-"""Our AVX-512 kernels (engine/csrc/: 4-bit products, one decoder layer's step), compiled on first use.
+"""Our AVX-512 kernels (engine/weights/csrc/: 4-bit products, one decoder layer's step), compiled on first use.
 
 torch.utils.cpp_extension builds them once per machine (~1 min; cached under TORCH_EXTENSIONS_DIR, by default
 ~/.cache/torch_extensions) for the CPU it runs on. Where that cannot happen (no compiler, no AVX-512 VNNI, or
-FASTDLLM_KERNELS=torch) `load()` returns None with the reason, and engine/quant.py uses torch's int4 kernel.
+FASTDLLM_KERNELS=torch) `load()` returns None with the reason, and engine/weights/quant.py uses torch's int4 kernel.
 """
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import os
 from functools import lru_cache
 from pathlib import Path
 from types import ModuleType
-from . import env
+from .. import env
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +36,7 @@ def cpu_flags() -> set[str]:
 
 def bf16_ok() -> bool:
     """AVX-512 BF16 (Zen 4, Cooper Lake, Sapphire Rapids): wide calls run the 4-bit weights through q4_bf16
-    instead of a dense bf16 copy (engine/quant.py)."""
+    instead of a dense bf16 copy (engine/weights/quant.py)."""
     return "avx512_bf16" in cpu_flags()
 
 

@@ -16,8 +16,8 @@ import ctypes
 import torch
 from torch import Tensor, nn
 
-from .model import CausalLM
-from . import env
+from ..model import CausalLM
+from .. import env
 
 
 class PackedLinear(nn.Module):
