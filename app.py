@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import argparse
 import os
-from engine import env
+from engine.runtime import Runtime
 
 try:  # Hugging Face ZeroGPU: `spaces` must be imported before torch touches CUDA
     import spaces  # type: ignore[import-not-found]  # noqa: F401
@@ -19,7 +19,7 @@ SPACES_MODEL = "Efficient-Large-Model/Fast_dLLM_v2_1.5B"
 
 def default_model() -> str | None:
     """On Spaces the 1.5B checkpoint (unless FASTDLLM_MODEL says otherwise); elsewhere the engine's default."""
-    if os.environ.get("SPACE_ID") and not env.get("FASTDLLM_MODEL"):
+    if os.environ.get("SPACE_ID") and not Runtime.from_env().model:
         return SPACES_MODEL
     return None
 
@@ -31,7 +31,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--host", default=os.environ.get("GRADIO_SERVER_NAME", "127.0.0.1"),
                    help="interface to listen on (default 127.0.0.1; 0.0.0.0 to share on a network)")
     p.add_argument("--port", type=int, default=int(os.environ.get("GRADIO_SERVER_PORT", "7860")), help="port (7860)")
-    p.add_argument("--engine-url", default=env.get("FASTDLLM_ENGINE_URL") or None,
+    p.add_argument("--engine-url", default=Runtime.from_env().engine_url,
                    help="drive a remote `python -m engine serve` (e.g. http://gpu-host:8000) instead of loading a model "
                         "here (default: FASTDLLM_ENGINE_URL)")
     p.add_argument("--queue-size", type=int, default=None,

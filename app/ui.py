@@ -24,7 +24,7 @@ from .stream import cancel_event, release, request_stop, stop_scope
 from .studio import Prepared, Studio
 from .traces import MAX_TRACE_BYTES, TraceError, parse_trace, trace_label
 from .verdict import finish_record
-from engine import env
+from engine.runtime import Runtime
 
 STATIC = Path(__file__).resolve().parent.parent / "static"
 MAX_SESSION_TRACES = 24
@@ -574,10 +574,7 @@ def queue_kwargs(max_size: int | None = None) -> dict[str, Any]:
     """The queue's bound: `max_size` requests may wait (else FASTDLLM_QUEUE_SIZE, else QUEUE_SIZE); one more is
     refused at once with Gradio's "queue is full" / "currently busy" message. Waiting clients see their position."""
     if max_size is None:
-        raw = env.get("FASTDLLM_QUEUE_SIZE", str(QUEUE_SIZE))
-        if not raw.isdigit():
-            raise ValueError(f"FASTDLLM_QUEUE_SIZE must be a positive integer (got {raw!r})")
-        max_size = int(raw)
+        max_size = Runtime.from_env().queue_size or QUEUE_SIZE
     if max_size < 1:
         raise ValueError(f"the queue size must be at least 1 (got {max_size})")
     return {"max_size": max_size}

@@ -26,6 +26,46 @@ def parse_list(text: str | None, kind: type = str) -> list[Any]:
     return [kind(x.strip()) for x in text.split(",") if x.strip()]
 
 
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_process(cmd: list[str], ready_url: str, what: str, threads: int,
+                  cwd: Path | None = None) -> Any:
+    """Start a server process (FASTDLLM_THREADS=threads) and wait until GET ready_url answers 200 (at most 300 s);
+    its last stderr in the error when it exits first."""
+    import subprocess
+
+    import httpx
+
+    env = {**os.environ, "FASTDLLM_THREADS": str(threads)}  # the child's switch, read by its own Runtime
+    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    for _ in range(600):
+        if proc.poll() is not None:
+            raise RuntimeError(f"the {what} exited: {proc.stderr.read()[-2000:]}")
+        try:
+            if httpx.get(ready_url, timeout=2).status_code == 200:
+                return proc
+        except httpx.TransportError:
+            pass
+        time.sleep(0.5)
+    proc.terminate()
+    raise RuntimeError(f"the {what} did not start within 300 s")
+
+
+def prompts_for(path: str | Path, n: int) -> list[str] | None:
+    """The first n prompts of a file, or None after printing why there are fewer (a benchmark's exit code 2)."""
+    prompts = load_prompts(path, n)
+    if len(prompts) < n:
+        print(f"error: {path} has fewer than {n} prompts", file=sys.stderr)
+        return None
+    return prompts
+
+
 def load_prompts(path: str | Path, limit: int | None = None) -> list[str]:
     """Prompts from JSONL of {"prompt": ...} (other fields ignored); errors name the line."""
     from grading.checker import read_jsonl
@@ -51,13 +91,16 @@ def setup_torch(threads: int | None) -> None:
 _ENGINES: dict[tuple, Any] = {}
 
 
-def load_engine(model: str | None, dtype: str | None, device: str | None = None):
-    """Engine.load, memoised per (model, dtype, device, model/adapter env) so in-process callers load once."""
-    from engine import Engine, env
+def load_engine(model: str | None, dtype: str | None, device: str | None = None, runtime: Any = None):
+    """Engine.load, memoised per (model, dtype, device, FASTDLLM_* switches: `runtime`, else the environment's) so
+    in-process callers load once."""
+    from engine import Engine
+    from engine.runtime import Runtime
 
-    key = (model, dtype, device, *(env.get(f"FASTDLLM_{k}") for k in ("MODEL", "ADAPTER", "WEIGHTS", "INT4_WIDE_ROWS")))
+    runtime = runtime or Runtime.from_env()
+    key = (model, dtype, device, runtime)
     if key not in _ENGINES:
-        _ENGINES[key] = Engine.load(model, device=device, dtype=dtype)
+        _ENGINES[key] = Engine.load(model, device=device, dtype=dtype, runtime=runtime)
     return _ENGINES[key]
 
 

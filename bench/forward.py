@@ -12,13 +12,15 @@ from __future__ import annotations
 
 import argparse
 import copy
-import os
 import statistics
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from engine.runtime import Runtime
 
 from .common import load_engine, setup_torch, table, write_json
 
@@ -106,9 +108,9 @@ def main(args: argparse.Namespace) -> int:
     from engine.model import KVCache
 
     setup_torch(args.threads)
-    os.environ["FASTDLLM_PACK"] = "0"  # variants start from the plain layout; "+packed" applies the engine's
-    os.environ["FASTDLLM_WEIGHTS"] = "fp32"  # ... and from the dequantised fp32 weights; weights=MODE applies quant
-    eng = load_engine(args.model, None, None)
+    # variants start from the plain layout ("+packed" applies the engine's) and from the dequantised fp32 weights
+    # (weights=MODE applies quant)
+    eng = load_engine(args.model, None, None, replace(Runtime.from_env(), pack=False, weights="fp32"))
     base = eng.lm.dllm
     specs = args.variants.split(",")
     models = {v: make_variant(base, v) for v in specs}

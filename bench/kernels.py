@@ -47,7 +47,9 @@ def kernel_table(widths: list[int], iters: int, repeats: int) -> tuple[list[dict
     from engine.weights import kernels as cpu_kernels
     from engine.weights.quant import pack_pairs, tiled
 
-    ours = cpu_kernels.load() if cpu_kernels.choice() != "torch" else None
+    from engine.runtime import Runtime
+
+    ours = cpu_kernels.load(Runtime.from_env().kernels)
     kinds = ["int4", "bf16", "fp32"] + (["q4_f32", "q4_i8"] if ours is not None else []) \
         + (["q4_bf16"] if ours is not None and cpu_kernels.bf16_ok() else [])
     rows = []

@@ -18,13 +18,13 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
-import os
 import sys
 from pathlib import Path
 from typing import Any
 
-from engine import env
+from engine.runtime import Runtime
 
 from .common import (DEFAULT_EVAL_SET, DEFAULT_PROMPTS, environment, load_engine, parse_list, progress, save_figures,
                      setup_torch, table, write_json)
@@ -117,24 +117,6 @@ def add_agreement(results: list[dict[str, Any]], ref: Reference, path: str) -> N
                                      "differ": [i for i, ok in pairs if not ok]}
 
 
-@contextlib.contextmanager
-def adapter_env(path: str | None):
-    """--adapter: the engine's documented way to pick the bundled base's adapter is FASTDLLM_ADAPTER; set it only
-    while loading (load_engine memoises per adapter, so other engines in the process are untouched)."""
-    if not path:
-        yield
-        return
-    prev = os.environ.get("FASTDLLM_ADAPTER")
-    os.environ["FASTDLLM_ADAPTER"] = str(path)
-    try:
-        yield
-    finally:
-        if prev is None:
-            os.environ.pop("FASTDLLM_ADAPTER", None)
-        else:
-            os.environ["FASTDLLM_ADAPTER"] = prev
-
-
 def check_args(args: argparse.Namespace) -> None:
     """Refuse bad options before the model loads; fill the long-set defaults."""
     if args.batch_size < 1:
@@ -145,7 +127,7 @@ def check_args(args: argparse.Namespace) -> None:
         if v is not None and v < 1:
             raise SystemExit(f"--{name.replace('_', '-')} must be >= 1, not {v}")
     if args.adapter:
-        model = args.model or env.get("FASTDLLM_MODEL") or None
+        model = args.model or Runtime.from_env().model
         if model not in (None, "bundled"):
             raise SystemExit(f"--adapter applies to the bundled base; it cannot be combined with model {model!r}")
         if not Path(args.adapter).is_file():
@@ -182,8 +164,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     check_args(args)
     ref = load_reference(args.agree_with) if args.agree_with else None  # before the long run: fail early
     setup_torch(args.threads)
-    with adapter_env(args.adapter):
-        eng = load_engine(args.model, args.dtype, args.device)
+    runtime = Runtime.from_env()
+    if args.adapter:  # the bundled base's adapter (FASTDLLM_ADAPTER's field), for this engine only
+        runtime = dataclasses.replace(runtime, adapter=Path(args.adapter))
+    eng = load_engine(args.model, args.dtype, args.device, runtime)
     items = [] if args.long_only else load_eval_set(args.eval_set or DEFAULT_EVAL_SET)
     if args.limit:
         items = items[:args.limit]

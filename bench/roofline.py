@@ -102,9 +102,10 @@ def random_model(shape: str, device: torch.device, dtype: torch.dtype):
     with torch.device(device):  # default init is fine: the cost of a forward does not depend on the values
         model = CausalLM(cfg)
     model = model.to(dtype).eval()
+    from engine.runtime import Runtime
     from engine.weights import packing
 
-    return packing.pack_for_decode(model) if packing.wanted(device) else model  # as Engine.load does
+    return packing.pack_for_decode(model) if packing.wanted(device, Runtime.from_env().pack) else model  # as Engine.load does
 
 
 def forward_at_width(model, k: int, prefix: int, device: torch.device, dtype: torch.dtype, iters: int) -> float:

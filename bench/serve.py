@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -18,7 +17,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .common import DEFAULT_PROMPTS, load_prompts, table, write_json
+from .common import DEFAULT_PROMPTS, free_port, prompts_for, start_process, table, write_json
 
 SETTINGS = {
     "ar": {"mode": "ar"},
@@ -41,32 +40,12 @@ def add_parser(sub: Any) -> None:
     p.set_defaults(func=run)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def start_server(model: str | None, threads: int) -> tuple[subprocess.Popen, str]:
-    port = _free_port()
+    port = free_port()
     cmd = [sys.executable, "-m", "engine", "serve", "--host", "127.0.0.1", "--port", str(port)]
     cmd += ["--model", model] if model else []
-    env = {**os.environ, "FASTDLLM_THREADS": str(threads)}
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     url = f"http://127.0.0.1:{port}/v1"
-    import httpx
-
-    for _ in range(600):
-        if proc.poll() is not None:
-            raise RuntimeError(f"the server exited: {proc.stderr.read()[-2000:]}")
-        try:
-            if httpx.get(url + "/models", timeout=2).status_code == 200:
-                return proc, url
-        except httpx.TransportError:
-            pass
-        time.sleep(0.5)
-    proc.terminate()
-    raise RuntimeError("the server did not start within 300 s")
+    return start_process(cmd, url + "/models", "server", threads), url
 
 
 def one_request(client: Any, model: str, prompt: str, knobs: dict, max_tokens: int) -> dict[str, Any]:
@@ -161,9 +140,8 @@ def run(args: argparse.Namespace) -> int:
     if bad or args.clients < 2 or args.repeats < 1:
         print(f"error: settings must be of {', '.join(SETTINGS)}; clients >= 2; repeats >= 1", file=sys.stderr)
         return 2
-    prompts = load_prompts(args.prompts, args.clients)
-    if len(prompts) < args.clients:
-        print(f"error: {args.prompts} has fewer than {args.clients} prompts", file=sys.stderr)
+    prompts = prompts_for(args.prompts, args.clients)
+    if prompts is None:
         return 2
     proc, url = (None, args.url) if args.url else start_server(args.model, args.threads)
     try:

@@ -30,10 +30,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from engine import env
+from engine.runtime import Runtime
 
-from .common import DEFAULT_PROMPTS, load_prompts, table, write_json
-from .serve import SETTINGS, _free_port, compare, summarize
+from .common import DEFAULT_PROMPTS, free_port, prompts_for, start_process, table, write_json
+from .serve import SETTINGS, compare, summarize
 
 PAGE_SETUP = """() => {
   const B = window.__fdBench = {runs: []};
@@ -94,25 +94,10 @@ def find_chromium(explicit: str | None = None) -> str | None:
 
 
 def start_studio(model: str | None, threads: int) -> tuple[subprocess.Popen, str]:
-    import httpx
-
-    port = _free_port()
+    port = free_port()
     cmd = [sys.executable, "app.py", "--host", "127.0.0.1", "--port", str(port)] + (["--model", model] if model else [])
-    env = {**os.environ, "FASTDLLM_THREADS": str(threads)}
-    root = Path(__file__).resolve().parent.parent
-    proc = subprocess.Popen(cmd, cwd=root, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     url = f"http://127.0.0.1:{port}/"
-    for _ in range(600):
-        if proc.poll() is not None:
-            raise RuntimeError(f"the studio exited: {proc.stderr.read()[-2000:]}")
-        try:
-            if httpx.get(url, timeout=2).status_code == 200:
-                return proc, url
-        except httpx.TransportError:
-            pass
-        time.sleep(0.5)
-    proc.terminate()
-    raise RuntimeError("the studio did not start within 300 s")
+    return start_process(cmd, url, "studio", threads, cwd=Path(__file__).resolve().parent.parent), url
 
 
 def studio_info(url: str) -> dict[str, Any]:
@@ -306,9 +291,8 @@ def run(args: argparse.Namespace) -> int:
         print("error: needs playwright (pip install playwright) and a Chromium binary (apt-get install chromium, or "
               "--chromium PATH)", file=sys.stderr)
         return 2
-    prompts = load_prompts(args.prompts, args.sessions)
-    if len(prompts) < args.sessions:
-        print(f"error: {args.prompts} has fewer than {args.sessions} prompts", file=sys.stderr)
+    prompts = prompts_for(args.prompts, args.sessions)
+    if prompts is None:
         return 2
     proc, url = (None, args.url) if args.url else start_studio(args.model, args.threads)
     try:
@@ -318,7 +302,7 @@ def run(args: argparse.Namespace) -> int:
         out = Path(args.out)
         write_json(out / "results.json", {
             "benchmark": "studio", "args": vars(args) | {"func": None}, "banner": info["banner"],
-            "weights": env.get("FASTDLLM_WEIGHTS", "default"), "loadavg_before": load_before,
+            "weights": Runtime.from_env().weights, "loadavg_before": load_before,
             "loadavg_after": os.getloadavg(), "seconds": round(time.time() - t0, 1), "cpus": os.cpu_count(),
             "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "results": results})
         print(table([{"setting": r["setting"], "one": r["one_session"]["tokens_per_second"],

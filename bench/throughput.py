@@ -11,7 +11,6 @@ The reported repeat is the median one by time; answer tokens count through the s
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from collections import Counter
 from dataclasses import asdict, dataclass
@@ -117,15 +116,12 @@ class Runner:
         """The engine of a setting's weights mode (loaded once per mode, memoised by load_engine)."""
         if not s.weights or s.weights == self.eng.lm.info.get("weights"):
             return self.eng
-        old = os.environ.get("FASTDLLM_WEIGHTS")
-        os.environ["FASTDLLM_WEIGHTS"] = s.weights
-        try:
-            return load_engine(self.args.model, self.args.dtype, self.args.device)
-        finally:
-            if old is None:
-                os.environ.pop("FASTDLLM_WEIGHTS")
-            else:
-                os.environ["FASTDLLM_WEIGHTS"] = old
+        from dataclasses import replace
+
+        from engine.runtime import Runtime
+
+        return load_engine(self.args.model, self.args.dtype, self.args.device,
+                           replace(Runtime.from_env(), weights=s.weights))
 
     def llama(self):
         if self._llama is None:

@@ -9,7 +9,7 @@ from pathlib import Path
 from .config import CACHE_MODES, MODES, STRATEGIES, ConfigError, DecodeConfig
 from .weights import ModelSourceError
 from .scheduler import PREFILL_CHUNK
-from . import env
+from .runtime import Runtime
 
 
 class _Parser(argparse.ArgumentParser):
@@ -135,7 +135,7 @@ def cmd_chat(a: argparse.Namespace) -> int:
 
 def serve_access(a: argparse.Namespace) -> tuple[str | None, list[str]]:
     """(API key or None, CORS origins): --api-key, else FASTDLLM_API_KEY; --allowed-origins split at commas."""
-    key = a.api_key if a.api_key is not None else env.get("FASTDLLM_API_KEY") or None
+    key = a.api_key if a.api_key is not None else Runtime.from_env().api_key
     if key is not None and (not key.strip() or not key.isprintable() or not key.isascii()):
         raise ConfigError("api_key", "must be printable ASCII and not blank")
     return key, [o.strip() for o in (a.allowed_origins or "").split(",") if o.strip()]

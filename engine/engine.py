@@ -12,6 +12,7 @@ from .config import ConfigError, DecodeConfig, fit_to_context
 from .decode import Cancel, decoder_for
 from .events import Event, Listener, Summary, Trace
 from .loading import LoadedModel, load
+from .runtime import Runtime
 from .static import StaticStepper, compile_wanted, static_layer, graphs_wanted, wanted as static_wanted
 from .text import TokenBytes
 
@@ -29,12 +30,13 @@ class Result:
 class Engine:
     """One model; its lock serialises direct generate() callers and the scheduler's passes (engine/scheduler.py)."""
 
-    def __init__(self, lm: LoadedModel, static: bool | None = None):
+    def __init__(self, lm: LoadedModel, static: bool | None = None, runtime: Runtime | None = None):
         self.lm = lm
+        self.runtime = runtime or Runtime.from_env()
         self.tb = TokenBytes(lm.tokenizer)
         self.lock = threading.Lock()
         # static-shape decode steps (CUDA graphs on GPUs): default on for CUDA, off for CPU (FASTDLLM_STATIC)
-        self.static = static_wanted(lm.device) if static is None else static
+        self.static = static_wanted(lm.device, self.runtime) if static is None else static
         self._steppers: dict[int, StaticStepper] = {}
         # every stepper made, the scheduler's too (graphs_report); weak, so a stepper the scheduler drops frees its storage
         self._all_steppers: weakref.WeakSet[StaticStepper] = weakref.WeakSet()
@@ -43,8 +45,11 @@ class Engine:
 
     @classmethod
     def load(cls, model: str | None = None, device: str | None = None, dtype: str | None = None,
-             static: bool | None = None) -> "Engine":
-        return cls(load(model, device, dtype), static=static)
+             static: bool | None = None, runtime: Runtime | None = None) -> "Engine":
+        """Load a model (None: FASTDLLM_MODEL, else the bundled one). `runtime` holds every FASTDLLM_* switch
+        (engine/runtime.py); None reads them from the environment now. Arguments win over the runtime's."""
+        runtime = runtime or Runtime.from_env()
+        return cls(load(model, device, dtype, runtime), static=static, runtime=runtime)
 
     def stepper(self, model: torch.nn.Module) -> StaticStepper | None:
         """The static stepper of `model` for direct generate() calls (one per model: it owns the static KV cache
@@ -61,8 +66,9 @@ class Engine:
         which each keep their own storage, ask here)."""
         if not self.static:
             return None
-        stepper = StaticStepper(model, graphs=graphs_wanted(self.lm.device),
-                                quantum=256 if self.lm.device.type == "cuda" else 32, compile=compile_wanted())
+        stepper = StaticStepper(model, graphs=graphs_wanted(self.lm.device, self.runtime),
+                                quantum=256 if self.lm.device.type == "cuda" else 32,
+                                compile=compile_wanted(self.runtime))
         self._all_steppers.add(stepper)
         return stepper
 

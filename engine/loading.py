@@ -12,9 +12,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import env
 from .config import ModelConfig
 from .model import CausalLM
+from .runtime import Runtime
 from .weights import kernels as cpu_kernels, packing, quant
 from .weights.adapter import MASK_TOKEN, apply_adapter, read_adapter_tensors
 from .weights.checkpoint import build_four_bit, build_model, default_dtype, four_bit_unfit, load_tokenizer
@@ -50,44 +50,39 @@ class LoadedModel:
                 + (f" · {w} weights" if w != dt else "") + (f" ({k})" if k else ""))
 
 
-def load(model: str | None = None, device: str | None = None, dtype: str | None = None) -> LoadedModel:
-    """Resolve, read and assemble the model the engine will decode with."""
+def load(model: str | None = None, device: str | None = None, dtype: str | None = None,
+         runtime: Runtime | None = None) -> LoadedModel:
+    """Resolve, read and assemble the model the engine will decode with (`runtime`: the FASTDLLM_* switches)."""
     t0 = time.perf_counter()
-    threads = env.get("FASTDLLM_THREADS")
-    if threads:  # on a CPU shared with other busy processes, 1 thread beats torch's default (spin-waits)
-        torch.set_num_threads(max(1, int(threads)))
-    source = resolve_source(model)
+    rt = runtime or Runtime.from_env()
+    if rt.threads:  # on a CPU shared with other busy processes, 1 thread beats torch's default (spin-waits)
+        torch.set_num_threads(rt.threads)
+    source = resolve_source(model, rt)
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    dt = getattr(torch, dtype) if dtype else default_dtype(dev)
-    policy = quant.WeightPolicy.from_env()
+    dt = getattr(torch, dtype) if dtype else default_dtype(dev, rt)
+    policy = quant.WeightPolicy.of(rt)
     cfg0 = ModelConfig.from_hf(json.loads((source.path / "config.json").read_text()))
     # 4-bit by default on CPU: the bundled model from its GGUF's own blocks, any other checkpoint quantised at load
     unfit = four_bit_unfit(cfg0) if source.kind != "bundled" else None
     four_bit = dev.type == "cpu" and policy.mode != "fp32" and unfit is None
     quantised = None
     if four_bit and source.kind != "bundled":
-        base, quantised = build_four_bit(source.path, cfg0, dev, dt, policy)
+        base, quantised = build_four_bit(source.path, cfg0, dev, dt, policy, rt.cache)
     else:
         base = build_model(source.path, dev, dt)
     dllm = apply_adapter(base, source.adapter, merge_lora=not four_bit) if source.adapter else base
     weights = str(dt).replace("torch.", "")
     kernels = None
-    if quantised is not None:
+    if four_bit:
         weights = policy.mode
-        kernels = cpu_kernels.status()
+        kernels = cpu_kernels.status(policy.kernels)
         if kernels.startswith("ours"):
             kernels += f", {policy.act} activations"
+        if quantised is None:  # the bundled GGUF's own 4-bit blocks replace the dequantised projections
+            quant.quantize_bundled(base, dllm, bundled_gguf_path(rt), source.path / "q4_1_blocks.safetensors",
+                                   *read_adapter_tensors(source.adapter), policy)
         packing.release_freed_memory()
-    elif four_bit:
-        weights = policy.mode
-        kernels = cpu_kernels.status()
-        if kernels.startswith("ours"):
-            kernels += f", {policy.act} activations"
-        # The GGUF's own 4-bit blocks replace the dequantised projections (engine/weights/quant.py).
-        quant.quantize_bundled(base, dllm, bundled_gguf_path(), source.path / "q4_1_blocks.safetensors",
-                               *read_adapter_tensors(source.adapter), policy)
-        packing.release_freed_memory()
-    elif packing.wanted(dev):  # last: adapters merge into plain nn.Linear weights first
+    elif packing.wanted(dev, rt.pack):  # last: adapters merge into plain nn.Linear weights first
         # The layout speeds up 1-token forwards (AR) and slows multi-token ones (diffusion) by ~8 %
         # (`bench forward --variants fp32,fp32+packed`), so a separate dLLM keeps the plain layout; a model
         # that serves both (no adapter) is packed, in place.

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .model import CausalLM, KVCache
-from . import env
+from .runtime import Runtime
 
 
 EXACT_ROWS = 8  # up to here each row count gets its own shape (studio, serve: few rows, no padded work)
@@ -44,20 +44,20 @@ def row_bucket(rows: int) -> int:
     return 1 << (rows - 1).bit_length() if rows <= 64 else -(-rows // 64) * 64
 
 
-def wanted(device: torch.device) -> bool:
+def wanted(device: torch.device, runtime: Runtime | None = None) -> bool:
     """FASTDLLM_STATIC=1/0 forces the static path on/off; default: on for CUDA, off for CPU (measured slower
     there: attention over the whole capacity and padded windows cost more than the host work saved)."""
-    val = env.get("FASTDLLM_STATIC")
-    return val != "0" if val else device.type == "cuda"
+    val = (runtime or Runtime.from_env()).static
+    return val if val is not None else device.type == "cuda"
 
 
-def graphs_wanted(device: torch.device) -> bool:
+def graphs_wanted(device: torch.device, runtime: Runtime | None = None) -> bool:
     """CUDA graphs on CUDA unless FASTDLLM_GRAPHS=0 (static shapes without capture, for debugging), and not on
     Hugging Face ZeroGPU (SPACES_ZERO_GPU set): there each request runs in a process that holds the GPU only
     for that call, so graphs captured in one call would not outlive it."""
     if os.environ.get("SPACES_ZERO_GPU"):
         return False
-    return device.type == "cuda" and env.get("FASTDLLM_GRAPHS", "1") != "0"
+    return device.type == "cuda" and (runtime or Runtime.from_env()).graphs
 
 
 class StaticKVCache(KVCache):
@@ -117,10 +117,10 @@ def static_forward(model: CausalLM, cos_t: Tensor, sin_t: Tensor, keys: Tensor, 
     return model.lm_head(model.model.norm(x))
 
 
-def compile_wanted() -> bool:
+def compile_wanted(runtime: Runtime | None = None) -> bool:
     """FASTDLLM_COMPILE=1: torch.compile each static step's layer (fuses the ~50 small kernels a layer replays
     around fp32 RMSNorm and RoPE; see docs/gpu.md). Off by default: it costs a compile per step shape at start."""
-    return env.get("FASTDLLM_COMPILE", "0") == "1"
+    return (runtime or Runtime.from_env()).compile
 
 
 def compiled_layer(backend: str = "inductor"):

@@ -212,7 +212,7 @@ def test_common_prefix_and_the_tokenizer_hint(monkeypatch, tmp_path):
     assert g.common_prefix([1, 2, 3], [1, 2, 4]) == 2 and g.common_prefix([5], [6]) == 0
     assert g.common_prefix([1, 2], [1, 2, 3]) == 2
     monkeypatch.setattr(g, "GPU_TOKENIZER", tmp_path / ".gpu" / "tokenizer")
-    monkeypatch.setattr("engine.weights.sources.cache_dir", lambda: tmp_path / "cache")
+    monkeypatch.setattr("engine.weights.sources.cache_dir", lambda runtime=None: tmp_path / "cache")
     monkeypatch.setenv("FASTDLLM_GGUF", str(tmp_path / "missing.gguf"))
     with pytest.raises(ModelSourceError, match=r"bench gpu --prepare.*carry '\.gpu'"):
         g.tokenizer_dir()

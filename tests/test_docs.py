@@ -127,20 +127,23 @@ def test_link_checker_finds_dead_links() -> None:
 
 
 def test_fastdllm_switches_are_read_in_one_place_and_documented() -> None:
-    """engine/env.py names every FASTDLLM_* switch; the code mentions no other; engine/ and the studio read them only
-    through it; docs/engine.md's table lists exactly them (issue 25)."""
+    """engine/env.py names every FASTDLLM_* switch and only engine/runtime.py reads it: one Runtime field per switch,
+    passed to Engine.load; the code mentions no other switch; docs/engine.md's table lists exactly them (issue 25)."""
     from engine import env
+    from engine.runtime import FIELDS, Runtime
 
-    py = [p for d in ("engine", "app", "bench", "training", "tests", "scripts") for p in (REPO / d).rglob("*.py")]
+    py = [p for d in ("engine", "app", "bench", "training", "tests", "scripts", "grading") for p in (REPO / d).rglob("*.py")]
     py += [REPO / "app.py"]
     mentioned = set()
     for p in py:
         text = p.read_text(encoding="utf-8")
         mentioned |= set(re.findall(r"(?<!-D)\bFASTDLLM_[A-Z0-9_]*[A-Z0-9]", text))
-        if (p.is_relative_to(REPO / "engine") or p.is_relative_to(REPO / "app") or p.name == "app.py") \
-                and p.name != "env.py":
-            assert not re.search(r"(os\.environ\.get|os\.getenv)\(f?[\"']FASTDLLM_", text), p
+        if p.is_relative_to(REPO / "tests") or p.name in ("env.py", "runtime.py"):
+            continue
+        assert not re.search(r"(os\.environ\.get|os\.getenv|os\.environ\[)\(?f?[\"']FASTDLLM_", text), p
+        assert not re.search(r"from engine import env\b|from \.+ import env\b|import engine\.env|engine\.env\.get", text), p
     assert mentioned <= set(env.NAMES), sorted(mentioned - set(env.NAMES))
+    assert sorted(Runtime.switch_of(f) for f in FIELDS) == sorted(env.NAMES)
     doc = (REPO / "docs" / "engine.md").read_text(encoding="utf-8")
     table = doc[doc.index("## Environment switches"):]
     table = table[:table.index("\n## ", 5)]

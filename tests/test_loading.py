@@ -155,3 +155,48 @@ def test_bf16_model_keeps_fp32_rotary_angles(tiny_fast_dllm):
     inv = model.rope.inv_freq
     want = torch.cat((4000.0 * inv, 4000.0 * inv)).cos()
     assert (cos.float().flatten() - want).abs().max() < 1e-2  # only the final bf16 cast's rounding
+
+
+def test_runtime_reads_every_switch_and_names_a_bad_value(monkeypatch, tmp_path):
+    """Runtime.from_env (engine/runtime.py) is the one reader of FASTDLLM_*: each switch lands in its field, blank
+    means the default, and a value a switch cannot take is an error naming the switch and what it takes."""
+    from engine.runtime import FIELDS, Runtime, RuntimeConfigError
+
+    for f in FIELDS:
+        monkeypatch.delenv(Runtime.switch_of(f), raising=False)
+    assert Runtime.from_env() == Runtime()
+    values = {"FASTDLLM_MODEL": "bundled-base", "FASTDLLM_ADAPTER": str(tmp_path / "a.safetensors"),
+              "FASTDLLM_GGUF": str(tmp_path / "b.gguf"), "FASTDLLM_CACHE": str(tmp_path), "FASTDLLM_DTYPE": "bfloat16",
+              "FASTDLLM_THREADS": "3", "FASTDLLM_WEIGHTS": "int4", "FASTDLLM_INT4_WIDE_ROWS": "9",
+              "FASTDLLM_ACTIVATIONS": "int8", "FASTDLLM_KERNELS": "torch", "FASTDLLM_FUSED": "0", "FASTDLLM_PACK": "0",
+              "FASTDLLM_STATIC": "1", "FASTDLLM_GRAPHS": "0", "FASTDLLM_COMPILE": "1", "FASTDLLM_QUEUE_SIZE": "5",
+              "FASTDLLM_ENGINE_URL": "http://h:8000", "FASTDLLM_API_KEY": "k", "FASTDLLM_UPDATE_SCREENSHOT": "1"}
+    for k, v in values.items():
+        monkeypatch.setenv(k, f" {v} ")  # surrounding blanks are ignored
+    rt = Runtime.from_env()
+    assert rt == Runtime(model="bundled-base", adapter=tmp_path / "a.safetensors", gguf=tmp_path / "b.gguf",
+                         cache=tmp_path, dtype="bfloat16", threads=3, weights="int4", int4_wide_rows=9,
+                         activations="int8", kernels="torch", fused=False, pack=False, static=True, graphs=False,
+                         compile=True, queue_size=5, engine_url="http://h:8000", api_key="k", update_screenshot=True)
+    for name, bad, needle in (("FASTDLLM_THREADS", "two", "'two' is not an integer >= 1"),
+                              ("FASTDLLM_THREADS", "0", "0 must be >= 1"),
+                              ("FASTDLLM_STATIC", "yes", "'yes' is not 0 or 1"),
+                              ("FASTDLLM_DTYPE", "fp8", "'fp8' is not one of float32, bfloat16, float16")):
+        monkeypatch.setenv(name, bad)
+        with pytest.raises(RuntimeConfigError, match=f"{name}: {needle}"):
+            Runtime.from_env()
+        monkeypatch.setenv(name, values[name])
+
+
+def test_engine_load_takes_its_switches_from_the_runtime_object(monkeypatch):
+    """Engine.load(runtime=...) uses the object's switches, not the environment's (conftest sets
+    FASTDLLM_WEIGHTS=fp32): here the bundled model at 4-bit on torch's int4 kernel, eagerly (no fused layer step)."""
+    from engine.runtime import Runtime
+
+    monkeypatch.setenv("FASTDLLM_KERNELS", "ours")
+    eng = Engine.load(runtime=Runtime(weights="int4", kernels="torch", fused=False, static=False))
+    assert eng.runtime.weights == "int4" and not eng.static
+    assert eng.lm.info["weights"] == "int4" and eng.lm.info["kernels"] == "torch (FASTDLLM_KERNELS=torch)"
+    assert eng.lm.base.steps is None and eng.lm.base.lm_head.core.kernels is None
+    r = eng.generate("What is 2 + 3?", eng.decode_config(mode="ar", max_new_tokens=8), record=False)[0]
+    assert r.summary.answer_tokens > 0

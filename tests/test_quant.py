@@ -74,7 +74,7 @@ def test_requantising_the_bundled_checkpoint_gives_the_gguf_blocks_exactly(gguf)
 @pytest.mark.parametrize("act", ["fp32", "int8"])
 def test_int4_linear_int4_and_dense_paths_and_lora(gguf, kernels, act):
     blocks = quant._fused_blocks(gguf, 3, "mlp", ("gate_proj", "up_proj"))
-    weight = quant.Int4Weight(blocks, dense_bf16=True)
+    weight = quant.Int4Weight(blocks, True, kernels)
     assert (weight.kernels is not None) == (kernels == "ours")
     ref_w = blocks.dequantize()
     a, b = torch.randn(8, 576) * 0.05, torch.randn(3072, 8) * 0.05
@@ -114,8 +114,8 @@ def test_our_kernels_match_the_dequantised_weights_row_by_row(gguf, monkeypatch)
     order), int8 ones stay within llama.cpp-like error; every row equals itself computed alone, at any row count
     and thread count (exact batching); bad shapes are refused with the parameter named."""
     monkeypatch.setenv("FASTDLLM_KERNELS", "ours")
-    k = cpu_kernels.load()
-    assert k is not None and cpu_kernels.status().startswith("ours")
+    k = cpu_kernels.load("ours")
+    assert k is not None and cpu_kernels.status("ours").startswith("ours")
     down = gguf.q4["model.layers.5.mlp.down_proj"]  # K = 1536
     qkv = quant._fused_blocks(gguf, 7, "self_attn", ("q_proj", "k_proj", "v_proj"))
     head_q, head_d = gguf.embed_q[:8192], gguf.embed_d[:8192]
@@ -153,7 +153,9 @@ def test_our_kernels_match_the_dequantised_weights_row_by_row(gguf, monkeypatch)
         k.q4_f32(torch.randn(2, 1536).double(), w.qs, w.dm)
     monkeypatch.setenv("FASTDLLM_KERNELS", "fast")
     with pytest.raises(ValueError, match="FASTDLLM_KERNELS.*auto, ours, torch"):
-        cpu_kernels.load()
+        quant.WeightPolicy.from_env()  # what Engine.load reads
+    with pytest.raises(ValueError, match="FASTDLLM_KERNELS.*auto, ours, torch"):
+        cpu_kernels.load("fast")
 
 
 def test_weight_policy_errors_name_the_setting(monkeypatch):
@@ -223,7 +225,7 @@ def test_q8_lm_head_both_backends(gguf, kernels):
     if kernels == "torch":
         hi, lo = quant.q8_planes(q, d)
         assert torch.equal(hi.dequantize() + lo.dequantize(), exact)
-    core = quant.Q8Head(q, d)
+    core = quant.Q8Head(q, d, kernels)
     assert (core.kernels is not None) == (kernels == "ours")
     for act in quant.ACTS:
         head = quant.LMHead(core, None, act)
@@ -339,17 +341,15 @@ def test_kernels_fall_back_to_torch_with_the_reason(monkeypatch):
     monkeypatch.setattr(cpu_kernels, "cpu_flags", lambda: {"avx2", "fma"})
     cpu_kernels._build.cache_clear()
     try:
-        monkeypatch.setenv("FASTDLLM_KERNELS", "auto")
-        assert cpu_kernels.load() is None
-        assert cpu_kernels.status().startswith("torch (this CPU lacks avx512f")
+        assert cpu_kernels.load("auto") is None
+        assert cpu_kernels.status("auto").startswith("torch (this CPU lacks avx512f")
         blocks = quant.Q4Blocks(torch.randint(0, 16, (64, 128), dtype=torch.uint8), torch.rand(64, 4) * 0.01,
                                 -torch.rand(64, 4) * 0.05)
         w = quant.Int4Weight(blocks, dense_bf16=False)
         assert w.kernels is None and hasattr(w, "packed")
         x = torch.randn(3, 128)
         assert (w.narrow(x, "fp32") - x @ blocks.dequantize().T).abs().max() < 0.05
-        monkeypatch.setenv("FASTDLLM_KERNELS", "ours")
         with pytest.raises(RuntimeError, match="FASTDLLM_KERNELS=ours: this CPU lacks"):
-            cpu_kernels.load()
+            cpu_kernels.load("ours")
     finally:
         cpu_kernels._build.cache_clear()

@@ -54,7 +54,7 @@ def train_config(a: argparse.Namespace):
 
 
 def cmd_train(a: argparse.Namespace) -> None:
-    from .train import train
+    from .run import train
 
     _threads(a.threads)
     train(train_config(a))

@@ -11,7 +11,6 @@ Every adapter is judged by the same protocol, whatever recipe trained it:
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -105,16 +104,8 @@ def run_ablation(cfg: AblationConfig) -> dict:
                "steps": int(meta["step"]), "tokens_seen": int(meta["tokens_seen"]),
                "train_seconds": float(meta["train_seconds"]), "model_tokens": model_tokens(run, int(meta["step"]))}
         row.update(heldout_metrics(adapter, cfg.data, cfg.val_size, int(meta["block_size"])))
-        prev = os.environ.get("FASTDLLM_ADAPTER")
-        os.environ["FASTDLLM_ADAPTER"] = str(adapter)  # the engine's documented way to pick an adapter
-        try:
-            rep = evaluate(EvalConfig(model="bundled", short=cfg.short, long=cfg.long,
-                                      max_new_tokens=cfg.max_new_tokens, threshold=cfg.threshold))
-        finally:
-            if prev is None:
-                os.environ.pop("FASTDLLM_ADAPTER", None)
-            else:
-                os.environ["FASTDLLM_ADAPTER"] = prev
+        rep = evaluate(EvalConfig(model="bundled", short=cfg.short, long=cfg.long,
+                                  max_new_tokens=cfg.max_new_tokens, threshold=cfg.threshold, adapter=adapter))
         row.update({k: rep[k] for k in ("ar_accuracy", "diffusion_accuracy", "long_tokens_per_forward")})
         row["paper_gsm8k"] = PAPER_TABLE2[row["recipe"]]["gsm8k"]
         row["paper_avg"] = PAPER_TABLE2[row["recipe"]]["avg"]

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -22,6 +22,7 @@ class EvalConfig:
     threshold: float = 0.9
     batch_size: int = 8
     out: Path | None = None
+    adapter: Path | None = None  # the bundled base's adapter (FASTDLLM_ADAPTER's field); None: the environment's
 
 
 def _spread(items: list[dict], n: int) -> list[dict]:
@@ -48,8 +49,10 @@ def _run(engine, prompts: list[str], cfg, batch: int) -> list:
 def evaluate(cfg: EvalConfig) -> dict:
     from grading.checker import is_correct
     from engine import Engine
+    from engine.runtime import Runtime
 
-    engine = Engine.load(cfg.model)
+    runtime = Runtime.from_env()
+    engine = Engine.load(cfg.model, runtime=replace(runtime, adapter=Path(cfg.adapter)) if cfg.adapter else runtime)
     short = _spread(_read(REPO / "bench/data/eval_short.jsonl"), cfg.short)
     long = _spread(_read(REPO / "bench/data/long_answer.jsonl"), cfg.long)
     def modes(n: int) -> dict:

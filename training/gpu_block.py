@@ -162,6 +162,9 @@ def plan(part_names: list[str]) -> list[dict]:
 # ------------------------------------------------------------------------------------------ device stages
 def base_ready(parts_dir: Path = PARTS_DIR) -> dict:
     """Make the converted base exist on this machine: join the parts and convert, once; a no-op after."""
+    from dataclasses import replace
+
+    from engine.runtime import Runtime
     from engine.weights import BUNDLED_CACHE_NAME, bundled_base_dir, cache_dir
 
     cached = cache_dir() / BUNDLED_CACHE_NAME / "model.safetensors"
@@ -174,9 +177,8 @@ def base_ready(parts_dir: Path = PARTS_DIR) -> dict:
         return {"base": "waiting for parts", "have": have, "parts": total}
     t0 = time.perf_counter()
     gguf = weights.join(parts_dir, expect_sha256=weights.GGUF_SHA256)
-    os.environ["FASTDLLM_GGUF"] = str(gguf)
     t1 = time.perf_counter()
-    path = bundled_base_dir()
+    path = bundled_base_dir(replace(Runtime.from_env(), gguf=gguf))  # converted once: later loads read the cache
     return {"base": "converted", "path": str(path), "join_s": round(t1 - t0, 1),
             "convert_s": round(time.perf_counter() - t1, 1)}
 
@@ -315,8 +317,9 @@ def rates(steps: list[dict]) -> dict:
 
 
 def stage_train(out: Path, cfg: TrainConfig, parts_dir: Path = PARTS_DIR) -> dict:
-    """`train.train(cfg)` for cfg.minutes (it resumes from cfg.run), then a slim checkpoint + log to $OUT."""
-    from .train import latest_checkpoint, train
+    """`run.train(cfg)` for cfg.minutes (it resumes from cfg.run), then a slim checkpoint + log to $OUT."""
+    from .run import train
+    from .train import latest_checkpoint
 
     require_base(parts_dir)
     run = cfg.run

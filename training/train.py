@@ -458,17 +458,9 @@ def load_examples_for(cfg: TrainConfig, base: Base) -> tuple[list[Example], list
     return examples, val, stats
 
 
-def launched() -> bool:
-    """Started by accelerate launch / torchrun with more than one process."""
-    return int(os.environ.get("WORLD_SIZE", "1")) > 1
-
-
-def train(cfg: TrainConfig) -> Trainer:
-    """Load the base and data, resume from the run directory when it has a checkpoint, train."""
-    if cfg.accelerate or cfg.stream or launched() or (cfg.run / "latest_state").exists():  # a run keeps its mode
-        from .distributed import train_distributed
-
-        return train_distributed(cfg)
+def train_single(cfg: TrainConfig) -> Trainer:
+    """One process: load the base and data, resume from the run directory when it has a checkpoint, train
+    (training/run.py picks this or the accelerate trainer)."""
     base = load_base(cfg, torch.device("cuda" if torch.cuda.is_available() else "cpu"))
     examples, val, stats = load_examples_for(cfg, base)
     cfg.extra = {"base": base.spec, "data": str(cfg.data), "data_stats": stats,

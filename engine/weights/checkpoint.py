@@ -9,12 +9,12 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from .. import env
 from ..config import ModelConfig
 from ..model import CausalLM
+from ..runtime import Runtime
 from . import q4_quantize, quant
 from .adapter import MASK_TOKEN
-from .sources import ModelSourceError, cache_dir
+from .sources import ModelSourceError
 
 def read_state_dict(path: Path, skip: frozenset[str] = frozenset()) -> dict[str, torch.Tensor]:
     """The tensors of a checkpoint directory (single file or sharded index), but those named in `skip`."""
@@ -33,8 +33,9 @@ def read_state_dict(path: Path, skip: frozenset[str] = frozenset()) -> dict[str,
     return state
 
 
-def default_dtype(device: torch.device) -> torch.dtype:
-    val = env.get("FASTDLLM_DTYPE")
+def default_dtype(device: torch.device, runtime: Runtime | None = None) -> torch.dtype:
+    """FASTDLLM_DTYPE, else bf16 on CUDA and fp32 on CPU."""
+    val = (runtime or Runtime.from_env()).dtype
     if val:
         return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[val]
     return torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -66,12 +67,12 @@ def build_model(path: Path, device: torch.device, dtype: torch.dtype, skip: froz
 
 
 def build_four_bit(path: Path, cfg: ModelConfig, device: torch.device, dtype: torch.dtype,
-                   policy: quant.WeightPolicy) -> tuple[CausalLM, str]:
+                   policy: quant.WeightPolicy, cache: Path) -> tuple[CausalLM, str]:
     """Any Qwen2/Llama checkpoint with its projections at 4-bit (engine/weights/q4_quantize.py: quantised tensor by tensor on
-    the first load, cached under cache_dir()/q4/ after); also says how the blocks were obtained."""
+    the first load, cached under `cache`/q4/ after); also says how the blocks were obtained."""
     t0 = time.perf_counter()
     files = q4_quantize.weight_files(path)
-    weights, cached = q4_quantize.cached_checkpoint(path, cfg.num_hidden_layers, cfg.tie_word_embeddings, cache_dir())
+    weights, cached = q4_quantize.cached_checkpoint(path, cfg.num_hidden_layers, cfg.tie_word_embeddings, cache)
     how = f"4-bit blocks {'from the cache' if cached else 'quantised at load'} in {time.perf_counter() - t0:.1f} s"
     model = build_model(path, device, dtype, skip=frozenset(q4_quantize.quantized_names(files)))
     quant.quantize_checkpoint_model(model, weights, policy)

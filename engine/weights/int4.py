@@ -30,7 +30,6 @@ from torch import Tensor, nn
 
 from . import kernels as cpu_kernels
 from ..model import WIDE_CALLS
-from .. import env
 from .gguf import GROUP, Q4Blocks
 
 HEAD_WIDE_ROWS = 4  # LM head: int4 planes below, dense bf16 from here (7.4 vs 14.8 ms at 1 row, 25.5 vs 20.7 at 8);
@@ -65,9 +64,10 @@ def pack_pairs(q: Tensor) -> Tensor:
     return tiled((g[:, :, 0] | (g[:, :, 1] << 4)).reshape(n, k // 2), k // (2 * GROUP))
 
 
-def _ours(n: int, k: int) -> ModuleType | None:
-    """Our kernels when they are built and fit the shape (K a multiple of 64 up to MAX_K, N of 4), else None."""
-    kernels = cpu_kernels.load()
+def _ours(n: int, k: int, choice: str) -> ModuleType | None:
+    """Our kernels (FASTDLLM_KERNELS `choice` allowing) when they are built and fit the shape (K a multiple of 64 up
+    to MAX_K, N of 4), else None."""
+    kernels = cpu_kernels.load(choice)
     return kernels if kernels is not None and k % (2 * GROUP) == 0 and k <= MAX_K and n % 4 == 0 else None
 
 
@@ -79,10 +79,10 @@ class Int4Weight(nn.Module):
     (`q4_bf16`, on CPUs with AVX-512 BF16) or, elsewhere, use a dense bf16 copy. Otherwise torch's int4 pack, whose
     kernel wants bf16 scales and zeros (d and m + 8d rounded to bf16), and a dense bf16 copy."""
 
-    def __init__(self, blocks: Q4Blocks, dense_bf16: bool):
+    def __init__(self, blocks: Q4Blocks, dense_bf16: bool, kernels: str = "auto"):
         super().__init__()
         self.out_features, self.in_features = blocks.q.shape
-        self.kernels = _ours(self.out_features, self.in_features)
+        self.kernels = _ours(self.out_features, self.in_features, kernels)
         self.wide_bf16 = False  # wide calls through q4_bf16 (no dense copy)
         dense = None
         if self.kernels is not None:
@@ -215,9 +215,9 @@ class Q8Head(nn.Module):
     two int4 products (q = 16 hi + lo; exact but for bf16 scales) below `HEAD_WIDE_ROWS` positions per sequence,
     2x faster than dense bf16 for the AR step, and dense bf16 for wider calls."""
 
-    def __init__(self, q: Tensor, d: Tensor):
+    def __init__(self, q: Tensor, d: Tensor, kernels: str = "auto"):
         super().__init__()
-        self.kernels = _ours(*q.shape)
+        self.kernels = _ours(*q.shape, kernels)
         self.planes: tuple[Int4Weight, Int4Weight] | None = None
         if self.kernels is not None:
             self.register_buffer("u", tiled((q.int() + 128).to(torch.uint8), q.shape[1] // (2 * GROUP)))
@@ -226,7 +226,7 @@ class Q8Head(nn.Module):
             self.register_buffer("weight", None)
         else:
             hi, lo = q8_planes(q, d)
-            self.planes = (Int4Weight(hi, dense_bf16=False), Int4Weight(lo, dense_bf16=False))
+            self.planes = (Int4Weight(hi, False, kernels), Int4Weight(lo, False, kernels))
             for name, plane in zip(("hi", "lo"), self.planes):
                 self.add_module(name, plane)
             self.register_buffer("weight", (q.float().view(q.shape[0], -1, GROUP) * d[..., None]).flatten(1).bfloat16())
@@ -315,8 +315,3 @@ class LayerStep:
         return self.kernels.layer_step(x, self.norm1, self.norm2, self.eps, self.weights, self.lora_a, self.lora_b,
                                        self.slices, self.int8, wide, self.heads, self.kv_heads, cos, sin, cache_k,
                                        cache_v, pos, mask, self.qkv_bias)
-
-
-def fused_wanted() -> bool:
-    """FASTDLLM_FUSED=0 turns the one-call layer step off (bench profile's per-module split needs the eager layer)."""
-    return env.get("FASTDLLM_FUSED") != "0"

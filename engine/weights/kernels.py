@@ -12,7 +12,6 @@ import os
 from functools import lru_cache
 from pathlib import Path
 from types import ModuleType
-from .. import env
 
 log = logging.getLogger(__name__)
 
@@ -40,8 +39,8 @@ def bf16_ok() -> bool:
     return "avx512_bf16" in cpu_flags()
 
 
-def choice() -> str:
-    c = env.get("FASTDLLM_KERNELS", "auto")
+def check(c: str) -> str:
+    """`c` if it is a FASTDLLM_KERNELS choice, else a ValueError naming the switch."""
     if c not in CHOICES:
         raise ValueError(f"FASTDLLM_KERNELS: {c!r} is not one of {', '.join(CHOICES)}")
     return c
@@ -69,9 +68,9 @@ def _build() -> tuple[ModuleType | None, str]:
     return mod, "built"
 
 
-def load() -> ModuleType | None:
+def load(choice: str = "auto") -> ModuleType | None:
     """The compiled kernels, or None (then `status()` says why). FASTDLLM_KERNELS=ours fails loudly instead."""
-    c = choice()
+    c = check(choice)
     if c == "torch":
         return None
     mod, why = _build()
@@ -82,8 +81,8 @@ def load() -> ModuleType | None:
     return mod
 
 
-def status() -> str:
-    c = choice()
+def status(choice: str = "auto") -> str:
+    c = check(choice)
     if c == "torch":
         return "torch (FASTDLLM_KERNELS=torch)"
     mod, why = _build()

