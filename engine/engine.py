@@ -39,11 +39,12 @@ class Engine:
 
     def stepper(self, model: torch.nn.Module) -> StaticStepper | None:
         """The static stepper of `model` for direct generate() calls (one per model: it owns the static KV cache
-        and the graphs); None when the static path is off."""
-        if not self.static:
-            return None
+        and the graphs); None when new_stepper says the static path is off."""
         if id(model) not in self._steppers:
-            self._steppers[id(model)] = self.new_stepper(model)
+            made = self.new_stepper(model)
+            if made is None:
+                return None
+            self._steppers[id(model)] = made
         return self._steppers[id(model)]
 
     def new_stepper(self, model: torch.nn.Module) -> StaticStepper | None:
