@@ -6,7 +6,7 @@ fast the engine steps; visitors streaming at once share those frames (n visitors
 UI work does not grow with them. Stop requests are threading.Events found by a key (the browser session), so the
 GPU function below takes only picklable arguments, as ZeroGPU on Hugging Face Spaces requires.
 
-An in-process Engine decodes through the continuous-batching scheduler (engine/scheduler.py), the one
+An in-process Engine decodes through its continuous-batching driver (engine/driver.py, Engine.scheduler), the one
 `python -m engine serve` uses: concurrent visitors' rows share forwards. A remote engine batches on its server;
 on ZeroGPU the GPU is only held inside the decorated function, so there each decode runs on its own thread.
 """
@@ -20,7 +20,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from engine import DecodeConfig, Engine, Event, Result
-from engine.scheduler import Scheduler
+from engine.driver import Driver
 
 FRAME_SECONDS = 1 / 30
 
@@ -54,7 +54,7 @@ def get_engine() -> Engine:
     return _engine
 
 
-def scheduler_for(engine: Any) -> Scheduler | None:
+def scheduler_for(engine: Any) -> Driver | None:
     """The engine's shared scheduler (one per in-process Engine, started on first use); None where decodes go
     straight to engine.generate_ids (a remote engine, ZeroGPU)."""
     if ZERO_GPU or not isinstance(engine, Engine):

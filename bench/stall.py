@@ -1,6 +1,6 @@
 """Head-of-line blocking: a short request's time to first token beside a long prompt, chunked prefill on and off.
 
-One in-process Scheduler per setting (prefill_chunk; "off" = a chunk larger than any prompt, the whole prompt in
+One in-process Driver per setting (prefill_chunk; "off" = a chunk larger than any prompt, the whole prompt in
 one forward), the same engine. Per round: a long prompt (~--long-tokens) is submitted, then after --delay seconds
 a short chat request; recorded: the short request's TTFT (submit to its first event), its total time, and the long
 prompt's TTFT and total. Rounds interleave the settings (A, B, C, A, B, C, ...); the median round is reported.
@@ -19,7 +19,7 @@ OFF = 1 << 20  # a chunk no prompt reaches: the whole prompt in one forward
 
 
 def one_round(engine, sched_chunk: int, long_ids: list[int], short_ids: list[int], cfg, delay: float) -> dict[str, float]:
-    from engine.scheduler import Scheduler
+    from engine.driver import Driver
 
     first: dict[str, float] = {}
     lock = threading.Lock()
@@ -31,7 +31,7 @@ def one_round(engine, sched_chunk: int, long_ids: list[int], short_ids: list[int
         return on
 
     t_long, t_short = [0.0], [0.0]
-    sched = Scheduler(engine, prefill_chunk=sched_chunk)
+    sched = Driver(engine, prefill_chunk=sched_chunk)
     try:
         t_long[0] = time.perf_counter()
         long = sched.submit(long_ids, cfg, listener=mark("long", t_long), record=False)

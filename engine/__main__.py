@@ -65,6 +65,17 @@ def _messages(system: str | None, history: list[dict[str, str]], prompt: str) ->
     return ([{"role": "system", "content": system}] if system else []) + history + [{"role": "user", "content": prompt}]
 
 
+def _decode(engine, ids: list[int], cfg: DecodeConfig, **kw):
+    """One prompt through the engine's scheduler, the front door the studio and the server use too (so the CLI's
+    answer is theirs); Ctrl-C drops the row before the next forward."""
+    t = engine.scheduler.submit(ids, cfg, **kw)
+    try:
+        return t.wait()
+    except KeyboardInterrupt:
+        t.cancel()
+        raise
+
+
 def cmd_generate(a: argparse.Namespace) -> int:
     from .engine import Engine
 
@@ -75,7 +86,10 @@ def cmd_generate(a: argparse.Namespace) -> int:
     cfg = _config(engine, a)
     text = engine.chat_prompt(_messages(a.system, [], a.prompt))
     stream = None if (a.json or a.quiet) else (lambda e: print(e.text_delta, end="", flush=True) if e.text_delta else None)
-    [res] = engine.generate_ids([engine.encode(text)], cfg, listener=stream, record=bool(a.trace), prompt_texts=[a.prompt])
+    try:
+        res = _decode(engine, engine.encode(text), cfg, listener=stream, record=bool(a.trace), prompt_text=a.prompt)
+    finally:
+        engine.close_scheduler()
     s = res.summary
     if a.trace:
         Path(a.trace).write_text(res.trace.dumps())
@@ -105,6 +119,13 @@ def cmd_chat(a: argparse.Namespace) -> int:
     cfg = _config(engine, a)
     print(f"{engine.lm.banner()}\nType a message; 'clear' resets the conversation, 'exit' quits.", file=sys.stderr)
     history: list[dict[str, str]] = []
+    try:
+        return _chat(engine, cfg, a.system, history)
+    finally:
+        engine.close_scheduler()
+
+
+def _chat(engine, cfg: DecodeConfig, system: str | None, history: list[dict[str, str]]) -> int:
     while True:
         try:
             line = input("you> ")
@@ -120,11 +141,11 @@ def cmd_chat(a: argparse.Namespace) -> int:
             history.clear()
             print("(conversation cleared)", file=sys.stderr)
             continue
-        ids = engine.encode(engine.chat_prompt(_messages(a.system, history, msg)))
+        ids = engine.encode(engine.chat_prompt(_messages(system, history, msg)))
         print("bot> ", end="", flush=True)
         try:
-            [res] = engine.generate_ids([ids], cfg, record=False,
-                                        listener=lambda e: print(e.text_delta, end="", flush=True) if e.text_delta else None)
+            res = _decode(engine, ids, cfg, record=False,
+                          listener=lambda e: print(e.text_delta, end="", flush=True) if e.text_delta else None)
         except ConfigError as exc:
             print(f"\nerror: {exc}", file=sys.stderr)
             continue

@@ -3,32 +3,23 @@ from __future__ import annotations
 
 import threading
 import weakref
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 import torch
 
 from .config import ConfigError, DecodeConfig, fit_to_context
 from .decode import Cancel, decoder_for
-from .events import Event, Listener, Summary, Trace
+from .driver import Driver
+from .events import Event, Listener, Result, Trace  # Result lives in events.py (the scheduler's too)
 from .loading import LoadedModel, load
 from .runtime import Runtime
 from .static import StaticStepper, compile_wanted, static_layer, graphs_wanted, wanted as static_wanted
 from .text import TokenBytes
 
 
-@dataclass
-class Result:
-    summary: Summary
-    trace: Trace | None
-
-    @property
-    def text(self) -> str:
-        return self.summary.text
-
-
 class Engine:
-    """One model; its lock serialises direct generate() callers and the scheduler's passes (engine/scheduler.py)."""
+    """One model; its lock serialises direct generate() callers and its driver's passes (engine/driver.py)."""
 
     def __init__(self, lm: LoadedModel, static: bool | None = None, runtime: Runtime | None = None):
         self.lm = lm
@@ -40,7 +31,7 @@ class Engine:
         self._steppers: dict[int, StaticStepper] = {}
         # every stepper made, the scheduler's too (graphs_report); weak, so a stepper the scheduler drops frees its storage
         self._all_steppers: weakref.WeakSet[StaticStepper] = weakref.WeakSet()
-        self._scheduler: Any = None  # engine.scheduler.Scheduler, started on first use (start_scheduler)
+        self._scheduler: Driver | None = None  # continuous batching (engine/driver.py), started on first use
         self._scheduler_lock = threading.Lock()  # not self.lock: a decode holds that for its whole run
 
     @classmethod
@@ -53,11 +44,12 @@ class Engine:
 
     def stepper(self, model: torch.nn.Module) -> StaticStepper | None:
         """The static stepper of `model` for direct generate() calls (one per model: it owns the static KV cache
-        and the graphs); None when the static path is off."""
-        if not self.static:
-            return None
+        and the graphs); None when new_stepper says the static path is off."""
         if id(model) not in self._steppers:
-            self._steppers[id(model)] = self.new_stepper(model)
+            made = self.new_stepper(model)
+            if made is None:
+                return None
+            self._steppers[id(model)] = made
         return self._steppers[id(model)]
 
     def new_stepper(self, model: torch.nn.Module) -> StaticStepper | None:
@@ -72,24 +64,22 @@ class Engine:
         self._all_steppers.add(stepper)
         return stepper
 
-    def start_scheduler(self, **settings: Any) -> Any:
-        """The engine's one Scheduler (continuous batching for many callers: the studio's visitors, the server's
-        clients), started with `settings` (max_batch, max_waiting, prefill_chunk) on the first call; later calls
-        return it as it is. Its worker thread sleeps while idle."""
-        from .scheduler import Scheduler  # (it imports this module)
-
+    def start_scheduler(self, **settings: Any) -> Driver:
+        """The engine's one front door for many callers (the studio's visitors, the server's clients, the CLI):
+        a Driver running a Scheduler's plans (continuous batching), started with `settings` (max_batch, max_waiting,
+        prefill_chunk) on the first call; later calls return it as it is. Its worker thread sleeps while idle."""
         with self._scheduler_lock:
             if self._scheduler is None:
-                self._scheduler = Scheduler(self, **settings)
+                self._scheduler = Driver(self, **settings)
             return self._scheduler
 
     @property
-    def scheduler(self) -> Any:
+    def scheduler(self) -> Driver:
         """start_scheduler() with the default settings."""
         return self.start_scheduler()
 
     def close_scheduler(self) -> None:
-        """Stop the scheduler's worker (its waiting and running requests fail); the next use starts a new one."""
+        """Stop the driver's worker (its waiting and running requests fail); the next use starts a new one."""
         with self._scheduler_lock:
             sched, self._scheduler = self._scheduler, None
         if sched is not None:

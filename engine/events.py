@@ -91,4 +91,16 @@ class Trace:
         return cls.from_json(json.loads(text))
 
 
+@dataclass
+class Result:
+    """One decoded prompt: its summary, and its trace when recorded (what every front door hands back)."""
+
+    summary: Summary
+    trace: Trace | None
+
+    @property
+    def text(self) -> str:
+        return self.summary.text
+
+
 Listener = Callable[[Event], None]

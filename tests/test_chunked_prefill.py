@@ -16,7 +16,7 @@ import torch
 
 from engine.config import DecodeConfig
 from engine.decode import decoder_for
-from engine.scheduler import Scheduler
+from engine.driver import Driver
 from test_oracle import MASK, tiny
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
@@ -100,7 +100,7 @@ def test_a_short_request_is_not_stuck_behind_a_long_prompt(engine):
                     order.append(name)
         return on
 
-    sched = Scheduler(engine, prefill_chunk=256)
+    sched = Driver(engine, prefill_chunk=256)
     try:
         with sched._cv:  # both admitted in one pass
             long = sched.submit(long_ids, cfg, listener=mark("long"), record=False)
@@ -117,7 +117,7 @@ def test_a_long_prompt_cancelled_while_it_prefills_leaves_at_once(engine):
     """Stop during the chunks: the request ends 'cancelled' before its first token, no further chunk runs."""
     long_ids = engine.encode(engine.chat_prompt([{"role": "user", "content": "Summarise: " + "lorem ipsum " * 300}]))
     cfg = engine.decode_config(mode="ar", max_new_tokens=8)
-    sched = Scheduler(engine, prefill_chunk=64)
+    sched = Driver(engine, prefill_chunk=64)
     try:
         t = sched.submit(long_ids, cfg, record=False)
         while sched.forwards < 2:  # two chunks in, many to go

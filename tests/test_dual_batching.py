@@ -14,7 +14,7 @@ import threading
 
 import pytest
 
-from engine.scheduler import Scheduler
+from engine.driver import Driver
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 
@@ -65,7 +65,7 @@ def test_rows_joining_a_running_dual_batch_decode_as_alone(engine):
     first, *late = chat_ids(engine, [LONG, MESSAGES[0], MESSAGES[1], MESSAGES[3]])
     cfg = engine.decode_config(mode="diffusion", cache="dual", max_new_tokens=40)
     alone = [engine.generate_ids([i], cfg)[0] for i in [first, *late]]
-    sched = Scheduler(engine)
+    sched = Driver(engine)
     tickets: list = []
     joined = threading.Event()
 

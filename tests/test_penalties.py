@@ -230,7 +230,8 @@ def test_batch_rows_with_different_knobs_equal_single_rows(engine, one_thread, m
 
 def test_scheduler_batches_rows_with_different_knobs(engine, one_thread):
     """Requests differing only in their knobs share forwards and each gets its own knobs' answer."""
-    from engine.scheduler import Scheduler, batch_key
+    from engine.driver import Driver
+    from engine.scheduler import batch_key
 
     base = engine.decode_config(mode="ar", max_new_tokens=12)
     cfgs = [base, replace(base, repetition_penalty=1.5, no_repeat_ngram_size=2)]
@@ -238,7 +239,7 @@ def test_scheduler_batches_rows_with_different_knobs(engine, one_thread):
     ids = chat_ids(engine, PROMPTS[0])
     alone = [engine.generate_ids([ids], c, record=False)[0].summary.token_ids for c in cfgs]
     assert alone[0] != alone[1]
-    sched = Scheduler(engine)
+    sched = Driver(engine)
     try:
         with engine.lock:  # hold the worker until both are queued, so they are admitted together
             tickets = [sched.submit(ids, c) for c in cfgs]
@@ -285,10 +286,10 @@ def test_cli_flags(engine, capsys):
 def client(engine):
     from fastapi.testclient import TestClient
 
-    from engine.scheduler import Scheduler
+    from engine.driver import Driver
     from engine.serve import create_app
 
-    sched = Scheduler(engine)
+    sched = Driver(engine)
     with TestClient(create_app(engine, sched)) as c:
         yield c
     sched.close()

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from engine.scheduler import Scheduler, batch_key
+from engine.driver import Driver
+from engine.scheduler import batch_key
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 
@@ -47,7 +48,7 @@ def test_scheduler_batches_seeded_requests_and_each_reproduces(engine, mode, cac
     cfgs = [engine.decode_config(mode=mode, cache=cache, max_new_tokens=16, temperature=1.0, seed=s)
             for s in (11, 11, 12)]
     singles = {s: engine.generate_ids([p], c, record=False)[0].summary.token_ids for s, c in zip((11, 12), cfgs[1:])}
-    sched = Scheduler(engine)
+    sched = Driver(engine)
     try:
         with sched._cv:  # the worker cannot take the waiting line until all three are in it: one admission
             tickets = [sched.submit(p, c, record=False) for c in cfgs]

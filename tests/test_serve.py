@@ -17,7 +17,7 @@ import pytest
 
 from conftest_app import free_port
 from engine import Event, Trace
-from engine.scheduler import Scheduler
+from engine.driver import Driver
 from engine.serve import create_app
 from test_reliability import PROMPTS, rss_mb, wait_until
 
@@ -28,7 +28,7 @@ EXACT = [{"mode": "ar"}, {"mode": "diffusion", "cache": "block"}]  # batch == si
 class Api:
     url: str
     engine: object
-    scheduler: Scheduler
+    scheduler: Driver
 
     def client(self, **kw) -> openai.OpenAI:
         return openai.OpenAI(base_url=self.url, api_key="unused", max_retries=0, timeout=120, **kw)
@@ -45,7 +45,7 @@ def api(engine):
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # two contended cores: one intra-op thread is several times faster here
-    sched = Scheduler(engine)
+    sched = Driver(engine)
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(create_app(engine, sched), host="127.0.0.1", port=port, log_level="warning"))
     th = threading.Thread(target=server.run, name="uvicorn", daemon=True)
@@ -252,7 +252,7 @@ def test_full_batches_queue_and_a_full_waiting_line_refuses(engine):
     """max_batch rows decode, later requests wait (FIFO), and past max_waiting submit() refuses at once (HTTP 503)."""
     from engine.scheduler import SchedulerBusy
 
-    sched = Scheduler(engine, max_batch=1, max_waiting=1)
+    sched = Driver(engine, max_batch=1, max_waiting=1)
     try:
         ids = engine.encode(engine.chat_prompt([{"role": "user", "content": "Write a long story about a dragon."}]))
         cfg = engine.decode_config(mode="ar", max_new_tokens=48)

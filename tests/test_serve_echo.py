@@ -13,7 +13,7 @@ from fastapi.testclient import TestClient
 
 from conftest_app import free_port
 from engine.likelihood import token_logprobs
-from engine.scheduler import Scheduler
+from engine.driver import Driver
 from engine.serve import MAX_ECHO_DIFFUSION_TOKENS, create_app
 from test_reliability import wait_until
 
@@ -23,7 +23,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 
 @pytest.fixture(scope="module")
 def sched(engine):
-    s = Scheduler(engine)
+    s = Driver(engine)
     yield s
     s.close()
 

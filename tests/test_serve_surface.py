@@ -16,10 +16,11 @@ import openai
 import pytest
 from fastapi.testclient import TestClient
 
-from engine.engine import Result
+from engine.driver import Driver
+from engine.events import Result
 from engine.events import Event, Summary, Token, Trace
 from engine.weights import MASK_TOKEN
-from engine.scheduler import Scheduler, Ticket
+from engine.scheduler import Ticket
 from engine.serve import MAX_JSON_DEPTH, create_app
 
 HI = [{"role": "user", "content": "hi"}]
@@ -31,7 +32,7 @@ def sched(engine):
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    s = Scheduler(engine)
+    s = Driver(engine)
     yield s
     s.close()
     torch.set_num_threads(threads)
@@ -139,7 +140,7 @@ def test_prompt_plus_max_tokens_over_the_context_is_refused_with_both_numbers(tc
 def test_health_is_200_while_the_scheduler_runs_and_503_after(engine, tc):
     r = tc.get("/health")
     assert r.status_code == 200 and r.json()["status"] == "ok"
-    s = Scheduler(engine)
+    s = Driver(engine)
     with TestClient(create_app(engine, s)) as c:
         assert c.get("/health").status_code == 200
         s.close()
@@ -238,7 +239,7 @@ def test_metrics_in_prometheus_text(engine, sched):
 
 # ---------------------------------------------------------------- fuzz
 class InstantScheduler:
-    """Stands in for the Scheduler in the fuzz: checks the request as the real one does, then answers at once with
+    """Stands in for the Driver in the fuzz: checks the request as the real one does, then answers at once with
     one token (so thousands of accepted bodies cost no forwards)."""
 
     running, waiting = 0, ()

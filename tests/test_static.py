@@ -164,13 +164,14 @@ def test_scheduler_batches_on_the_static_path_as_rows_join_mid_batch(engine, mod
     their own; a row that joins mid-batch has its prefilled K/V copied into the stepper's storage (which grows,
     keeping the running rows', when it must). Each answer is the row's single-user answer (dual too: each row's
     narrower window is padded to the step's width with pads that write only the trash slot)."""
-    from engine.scheduler import Scheduler, batch_key
+    from engine.driver import Driver
+    from engine.scheduler import batch_key
 
     prompts = [engine.encode(engine.chat_prompt([{"role": "user", "content": p}])) for p in PROMPTS]
     cfg = engine.decode_config(mode=mode, cache=cache, max_new_tokens=24)
     single = [engine.generate_ids([p], cfg, record=False)[0].summary.token_ids for p in prompts]
     static = Engine(engine.lm, static=True)
-    sched = Scheduler(static)
+    sched = Driver(static)
     tickets: list = []
     events = [0] * len(prompts)
 
@@ -198,12 +199,13 @@ def test_scheduler_batches_on_the_static_path_as_rows_join_mid_batch(engine, mod
 def test_scheduler_keeps_few_idle_static_steppers(engine):
     """Each batch key gets its own static storage; keys with no batch now are dropped beyond IDLE_STEPPERS, so
     clients that each send other settings do not pile up K/V storage (and graphs) on the GPU."""
-    from engine.scheduler import IDLE_STEPPERS, Scheduler
+    from engine.driver import Driver
+    from engine.scheduler import IDLE_STEPPERS
 
     import gc
 
     static = Engine(engine.lm, static=True)
-    sched = Scheduler(static)
+    sched = Driver(static)
     ids = engine.encode(engine.chat_prompt([{"role": "user", "content": "Hi"}]))
     try:
         for i in range(IDLE_STEPPERS + 3):  # distinct thresholds: distinct batch keys, one after the other

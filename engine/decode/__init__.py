@@ -12,9 +12,19 @@ from .base import Decoder
 from .rows import Batch, Cancel, Row
 from .diffusion import DiffusionDecoder
 
-__all__ = ["ARDecoder", "Batch", "Cancel", "Decoder", "DiffusionDecoder", "Row", "SHARED_PREFIX_MIN", "decoder_for"]
+__all__ = ["ARDecoder", "Batch", "Cancel", "Decoder", "DiffusionDecoder", "Row", "SHARED_PREFIX_MIN", "decoder_for",
+           "keeps_cache"]
+
+
+def _kind(cfg: DecodeConfig) -> type[Decoder]:
+    return DiffusionDecoder if cfg.mode == "diffusion" else ARDecoder
 
 
 def decoder_for(model: CausalLM, cfg: DecodeConfig, mask_id: int | None, tb: TokenBytes, **kw: Any) -> Decoder:
     """The decoder of cfg.mode ('ar' or 'diffusion') for one batch; kw: listener, cancel, stepper."""
-    return (DiffusionDecoder if cfg.mode == "diffusion" else ARDecoder)(model, cfg, mask_id, tb, **kw)
+    return _kind(cfg)(model, cfg, mask_id, tb, **kw)
+
+
+def keeps_cache(cfg: DecodeConfig) -> bool:
+    """Whether cfg's decoder keeps a KV cache, without a model (the scheduler chunks only such prefills)."""
+    return _kind(cfg).caches(cfg)

@@ -187,8 +187,13 @@ class Decoder:
         """The token every undecided position of the sequence holds."""
         return 0
 
-    def uses_cache(self) -> bool:
+    @staticmethod
+    def caches(cfg: DecodeConfig) -> bool:
+        """Whether this mode keeps a KV cache under cfg (only then can a prompt be prefilled in chunks)."""
         return True
+
+    def uses_cache(self) -> bool:
+        return self.caches(self.cfg)
 
     def _prompt_mask(self, pos: Tensor, k_len: int) -> Tensor:
         """What prompt positions pos [B, T] see of keys [0, k_len): causal (AR)."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ..config import DecodeConfig
 from ..events import Token
 from ..model import block_causal_mask, whole_key_quanta
 from ..sampling import select_commits
@@ -29,8 +30,9 @@ class DiffusionDecoder(Decoder):
     def _fill_id(self) -> int:
         return self.mask_id if self.mask_id is not None else 0
 
-    def uses_cache(self) -> bool:
-        return self.cfg.cache != "none"
+    @staticmethod
+    def caches(cfg: DecodeConfig) -> bool:
+        return cfg.cache != "none"
 
     def _prompt_mask(self, pos: Tensor, k_len: int) -> Tensor:
         return block_causal_mask(pos, k_len, self.cfg.block_size)

@@ -35,14 +35,15 @@ from ..config import ConfigError
 from ..engine import Engine, Result
 from ..events import Event
 from ..weights import MASK_TOKEN
-from ..scheduler import MAX_BATCH, PREFILL_CHUNK, Scheduler, SchedulerBusy
+from ..driver import Driver
+from ..scheduler import MAX_BATCH, PREFILL_CHUNK, SchedulerBusy
 from .request import (FINISH, MAX_BODY_BYTES, MAX_ECHO_DIFFUSION_TOKENS, MAX_JSON_DEPTH, MAX_PROMPT_CHARS, ApiError,
                       ApiRequest, _depth, _messages, _text, parse)
 from .response import Choice, LiveGroup, _echo_logprobs, _logprobs_json, usage
 from .surface import Metrics, Surface, log
 
 
-def create_app(engine: Engine, scheduler: Scheduler, model_id: str | None = None, *, api_key: str | None = None,
+def create_app(engine: Engine, scheduler: Driver, model_id: str | None = None, *, api_key: str | None = None,
                allowed_origins: list[str] | tuple[str, ...] = ()) -> FastAPI:
     """The FastAPI app; the caller owns the scheduler (and closes it). api_key: every route but /health needs
     `Authorization: Bearer <api_key>`; allowed_origins: browsers on these origins may call it (CORS; none by default)."""

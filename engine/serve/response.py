@@ -8,9 +8,9 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from ..config import DecodeConfig
-from ..engine import Result
-from ..events import Event, Summary
-from ..scheduler import Scheduler, Ticket
+from ..driver import Driver
+from ..events import Event, Result, Summary
+from ..scheduler import Ticket
 
 
 class StopMatcher:
@@ -42,7 +42,7 @@ class StopMatcher:
 class LiveGroup:
     """A request's n scheduler tickets seen from asyncio: (choice index, events) as the forwards run, then Results."""
 
-    def __init__(self, sched: Scheduler, ids: list[int], cfgs: list[DecodeConfig], prompt_text: str | None,
+    def __init__(self, sched: Driver, ids: list[int], cfgs: list[DecodeConfig], prompt_text: str | None,
                  record: bool):
         loop = asyncio.get_running_loop()
         self.q: asyncio.Queue[tuple[int, Event | None]] = asyncio.Queue()

@@ -8,7 +8,7 @@ import time
 import uuid
 from typing import Any
 
-from ..scheduler import Scheduler
+from ..driver import Driver
 from .request import ApiError
 
 log = logging.getLogger("engine.serve")
@@ -51,7 +51,7 @@ class Metrics:
         if info.get("ttft") is not None:
             self.ttft.observe(info["ttft"])
 
-    def text(self, scheduler: Scheduler) -> str:
+    def text(self, scheduler: Driver) -> str:
         p = "fastdllm_"
         out = [f"# HELP {p}requests_total HTTP requests answered, by route and status.", f"# TYPE {p}requests_total counter"]
         out += [f'{p}requests_total{{route="{r}",status="{c}"}} {n}' for (r, c), n in sorted(self.requests.items())]
