@@ -23,7 +23,7 @@ TESTS[model]="tests/test_oracle.py::test_engine_equals_oracle_on_random_models t
 FILES[quant]="engine/gguf_blocks.py engine/int4.py"; SOURCES[quant]="engine/"  # the 4-bit unpacking and layers
 TESTS[quant]="tests/test_quant.py::test_q4_1_blocks_dequantise_to_the_converted_checkpoint tests/test_quant.py::test_q8_lm_head_both_backends tests/test_quant.py::test_int4_linear_int4_and_dense_paths_and_lora"
 FILES[serve]="engine/serve/request.py"; SOURCES[serve]="engine/"  # the request validation
-TESTS[serve]="tests/test_serve.py"
+TESTS[serve]="tests/test_serve_request.py"  # parse() in process, every message pinned (8 s)
 FILES[recipe]="training/recipe.py";    SOURCES[recipe]="training/ engine/"
 TESTS[recipe]="tests/test_training.py tests/test_recipe_exact.py"
 FILES[checker]="grading/checker.py";   SOURCES[checker]="grading/ bench/ engine/"
