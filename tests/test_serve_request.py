@@ -1,16 +1,21 @@
-"""The server's request validation (engine/serve/request.py) in process: parse() on the real bundled engine, no HTTP.
+"""The server's request validation (engine/serve/request.py) in process: parse() on real engines, no HTTP.
 
 Every field of the parsed ApiRequest and every refusal's exact message, status and parameter are pinned, so a
-changed limit, a flipped comparison or a reworded error fails here. This file is the mutation target `serve`'s test
-selection (scripts/mutation.sh; a few seconds). The HTTP layer around parse() is tested in test_serve.py and
-test_serve_surface.py.
+changed limit, a flipped comparison or a reworded error fails here. The engines are tiny random checkpoints in the
+Fast_dLLM_v2 layout with the bundled tokenizer (tests/checkpoints.py; parse() reads the name, the chat template, the
+vocabulary and the mask token, never the weights), one with |<MASK>| and one AR-only: a few seconds for the file,
+which is the mutation target `serve`'s test selection (scripts/mutation.sh). The HTTP layer around parse() is tested
+on the bundled model in test_serve.py and test_serve_surface.py.
 """
 from __future__ import annotations
 
 import json
 
 import pytest
+from transformers import AutoTokenizer  # noqa: F401  (imported at collection, before the engines load)
 
+from checkpoints import build_fast_dllm_checkpoint
+from engine import Engine
 from engine.loading import MASK_TOKEN
 from engine.serve.request import MAX_JSON_DEPTH, ApiError, ApiRequest, _depth, _show, parse
 
@@ -20,11 +25,17 @@ KNOBS_LIST = ("mode, block_size, sub_block_size, threshold, strategy, factor, ca
 
 
 @pytest.fixture(scope="module")
-def ar_engine():
-    """The bundled base without the adapter: no mask token, so AR only."""
-    from engine import Engine
+def engine(tmp_path_factory):
+    """A tiny dLLM: block diffusion by default, |<MASK>| one of its ids."""
+    eng = Engine.load(str(build_fast_dllm_checkpoint(tmp_path_factory.mktemp("serve_dllm") / "tiny-dllm")))
+    assert eng.can_diffuse and eng.lm.name == "tiny-dllm"
+    return eng
 
-    eng = Engine.load("bundled-base")
+
+@pytest.fixture(scope="module")
+def ar_engine(tmp_path_factory):
+    """A tiny model without a mask token: AR only."""
+    eng = Engine.load(str(build_fast_dllm_checkpoint(tmp_path_factory.mktemp("serve_ar") / "tiny-ar", mask=False)))
     assert not eng.can_diffuse
     return eng
 
@@ -115,7 +126,8 @@ def test_completions_prompt_as_text_parts_or_token_ids(engine):
     parts = [{"type": "text", "text": "The "}, {"type": "text", "text": "sky"}]
     r = ok(engine, False, prompt=parts)
     assert (r.prompt, r.user_text, r.ids, r.chat) == ("The sky", "The sky", None, False)
-    last = engine.lm.cfg.vocab_size - 2  # the last id below the mask token's
+    last = engine.lm.cfg.vocab_size - 1
+    assert last != engine.lm.mask_token_id
     for prompt in ([0, 5, last], [[0, 5, last]]):  # lm-eval sends a batch of one token list
         r = ok(engine, False, prompt=prompt)
         assert (r.prompt, r.user_text, r.ids) == ("", None, [0, 5, last])
