@@ -10,6 +10,9 @@ cd "$(dirname "$0")/.."
 ROOT=$PWD
 PY=$ROOT/.venv/bin/python
 export FASTDLLM_THREADS=${FASTDLLM_THREADS:-1} TOKENIZERS_PARALLELISM=false FASTDLLM_WEIGHTS=fp32
+# our CPU kernels (engine/weights/csrc) built once for the scratch copies, apart from the shared ~/.cache build that other
+# checkouts rebuild for their own source paths
+export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-$ROOT/runs/torch_extensions}
 CHILDREN=${MUTMUT_CHILDREN:-1}
 
 # target | files to mutate (only_mutate globs) | source dirs to copy | fast tests (pytest node ids / -k filters)
@@ -21,9 +24,11 @@ TESTS[decode]="tests/test_oracle.py::test_engine_equals_oracle_on_random_models 
 FILES[model]="engine/model.py";        SOURCES[model]="engine/"
 TESTS[model]="tests/test_oracle.py::test_engine_equals_oracle_on_random_models tests/test_oracle.py::test_ar_equals_oracle_ar_on_random_models tests/test_engine.py::test_forward_matches_transformers_tiny_qwen2 tests/test_engine.py::test_block_causal_mask_rule tests/test_engine.py::test_cpu_decode_layout_computes_the_same_forward"
 FILES[quant]="engine/weights/gguf.py engine/weights/int4.py"; SOURCES[quant]="engine/"  # the 4-bit unpacking and layers
-TESTS[quant]="tests/test_quant.py::test_q4_1_blocks_dequantise_to_the_converted_checkpoint tests/test_quant.py::test_q8_lm_head_both_backends tests/test_quant.py::test_int4_linear_int4_and_dense_paths_and_lora"
+# a GGUF written by gguf-py and small random blocks (seconds; the real-GGUF tests parse 10+ s per mutant), and a tiny
+# checkpoint at 4-bit for the one-call layer step
+TESTS[quant]="tests/test_quant.py::test_gguf_blocks_equal_gguf_pys_dequantised_weights tests/test_quant.py::test_gguf_refuses_unexpected_block_types tests/test_quant.py::test_block_cache_reads_back_what_was_parsed tests/test_quant.py::test_pack_pairs_and_tiles_are_the_kernels_layout tests/test_quant.py::test_int4_weight_on_small_blocks tests/test_quant.py::test_int4_linear_switch_bias_and_lora_on_small_blocks tests/test_quant.py::test_dense_bf16_linear tests/test_quant.py::test_q8_head_embedding_and_planes_on_small_rows tests/test_quant.py::test_fused_layer_step_switch tests/test_q4_quantize.py::test_qwen2_checkpoint_at_4bit_keeps_its_biases_and_head"
 FILES[serve]="engine/serve/request.py"; SOURCES[serve]="engine/"  # the request validation
-TESTS[serve]="tests/test_serve.py"
+TESTS[serve]="tests/test_serve_request.py"  # parse() in process on tiny engines, every message pinned (seconds)
 FILES[recipe]="training/recipe.py";    SOURCES[recipe]="training/ engine/"
 TESTS[recipe]="tests/test_training.py tests/test_recipe_exact.py"
 FILES[checker]="grading/checker.py";   SOURCES[checker]="grading/ bench/ engine/"

@@ -36,13 +36,15 @@ def fast_dllm_config(vocab_size: int, hidden: int = 64, layers: int = 2, heads: 
     }
 
 
-def build_fast_dllm_checkpoint(out: Path, seed: int = 0) -> Path:
-    """A random tiny model in the Fast_dLLM_v2 layout: config, safetensors names, tokenizer with |<MASK>|."""
+def build_fast_dllm_checkpoint(out: Path, seed: int = 0, mask: bool = True) -> Path:
+    """A random tiny model in the Fast_dLLM_v2 layout: config, safetensors names, tokenizer with |<MASK>| (without it
+    when `mask` is False: a model the engine decodes by AR only)."""
     from transformers import AutoTokenizer
 
     out.mkdir(parents=True, exist_ok=True)
     tok = AutoTokenizer.from_pretrained(str(bundled_base_dir()))
-    tok.add_special_tokens({"additional_special_tokens": [MASK_TOKEN]})
+    if mask:
+        tok.add_special_tokens({"additional_special_tokens": [MASK_TOKEN]})
     tok.chat_template = QWEN_CHAT_TEMPLATE
     tok.save_pretrained(str(out))
     vocab = (len(tok) + 63) // 64 * 64  # padded embedding: the mask id is one of its rows

@@ -353,3 +353,293 @@ def test_kernels_fall_back_to_torch_with_the_reason(monkeypatch):
             cpu_kernels.load("ours")
     finally:
         cpu_kernels._build.cache_clear()
+
+
+# ---------------------------------------------------------------- small synthetic weights: the unpacking and the layers
+# A GGUF written by gguf-py with its own Q4_1 / Q8_0 quantisers is the reference for our reading of the blocks (nibble
+# order, scales, q/k row order), and small random blocks for the 4-bit layers on both backends. Seconds in all: these
+# are the mutation target `quant`'s test selection (scripts/mutation.sh).
+N_HEAD, N_KV = 4, 2
+SHAPES = {"attn_q": (64, 64), "attn_k": (32, 64), "attn_v": (32, 64), "attn_output": (64, 64), "ffn_gate": (96, 64),
+          "ffn_up": (96, 64), "ffn_down": (64, 128)}
+
+
+def _llama_cpp_rows(w, n_head: int):
+    """convert_hf_to_gguf.py's permute of q/k rows (the rotary halves interleaved), which reading must undo."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _write_gguf(path, tensors: dict) -> None:
+    """tensors: name -> (float array, type), quantised by gguf-py."""
+    import gguf as gg
+    from gguf.quants import quantize
+
+    w = gg.GGUFWriter(str(path), "llama")
+    for name, (x, kind) in tensors.items():
+        if kind == gg.GGMLQuantizationType.F32:
+            w.add_tensor(name, x)
+        else:
+            w.add_tensor(name, quantize(x, kind), raw_dtype=kind)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory):
+    """(path, expected): our parameter name -> the dequantised weight in transformers' row order (gguf-py's
+    dequantize of gguf-py's quantize), plus 'embed' -> (q, dequantised) of the Q8_0 embedding."""
+    import gguf as gg
+    import numpy as np
+    from gguf.quants import dequantize, quantize
+
+    T = gg.GGMLQuantizationType
+    rng = np.random.default_rng(0)
+    tensors, expected = {}, {}
+    for layer in (0, 1):
+        for key, shape in SHAPES.items():
+            hf = (rng.standard_normal(shape) * 0.05 + rng.uniform(-0.02, 0.02, (shape[0], 1))).astype(np.float32)
+            stored = _llama_cpp_rows(hf, N_HEAD if key == "attn_q" else N_KV) if key in ("attn_q", "attn_k") else hf
+            tensors[f"blk.{layer}.{key}.weight"] = (stored, T.Q4_1)
+            name = f"model.layers.{layer}.{quant.GGUF_NAMES[key]}"
+            expected[name] = torch.from_numpy(dequantize(quantize(hf, T.Q4_1), T.Q4_1).copy())
+    emb = (rng.standard_normal((8, 64)) * 0.1).astype(np.float32)
+    emb[3, :32] *= 40  # a group with a large scale
+    tensors["token_embd.weight"] = (emb, T.Q8_0)
+    raw = quantize(emb, T.Q8_0).reshape(8, 2, 34)
+    expected["embed"] = (torch.from_numpy(raw[..., 2:].copy()).view(torch.int8).reshape(8, 64),
+                         torch.from_numpy(dequantize(quantize(emb, T.Q8_0), T.Q8_0).copy()))
+    # skipped: 1-D norms, a 2-D tensor outside the blocks, a 2-D block tensor that is not a projection
+    tensors["blk.0.attn_norm.weight"] = (np.ones(64, np.float32), T.F32)
+    tensors["output.weight"] = (emb, T.Q8_0)
+    tensors["blk.0.attn_q_norm.weight"] = (np.ones((4, 64), np.float32), T.F32)
+    path = tmp_path_factory.mktemp("tiny_gguf") / "tiny.gguf"
+    _write_gguf(path, tensors)
+    return path, expected
+
+
+def _check_tiny(w: quant.GGUFWeights, expected: dict) -> None:
+    assert sorted(w.q4) == sorted(k for k in expected if k != "embed")
+    for name, blocks in w.q4.items():
+        out, inp = expected[name].shape
+        assert blocks.q.dtype == torch.uint8 and blocks.q.shape == (out, inp) and int(blocks.q.max()) <= 15
+        assert blocks.d.shape == blocks.m.shape == (out, inp // 32) and blocks.d.dtype == torch.float32
+        assert torch.equal(blocks.dequantize(), expected[name]), name
+    q, deq = expected["embed"]
+    assert torch.equal(w.embed_q, q) and w.embed_d.shape == (8, 2) and w.embed_d.dtype == torch.float32
+    assert torch.equal((w.embed_q.float().view(8, 2, 32) * w.embed_d[..., None]).flatten(1), deq)
+    assert w.head_q is None and w.head_d is None
+
+
+def test_gguf_blocks_equal_gguf_pys_dequantised_weights(tiny_gguf):
+    """Q4_1 nibbles (weight j low, j + 16 high), d and m, the q/k rows put back in transformers' order (4 query heads,
+    2 key heads), and the Q8_0 embedding's int8 rows and scales: exactly gguf-py's dequantisation."""
+    path, expected = tiny_gguf
+    _check_tiny(quant.read_gguf(path, N_HEAD, N_KV), expected)
+
+
+def test_gguf_refuses_unexpected_block_types(tmp_path):
+    import gguf as gg
+    import numpy as np
+
+    T = gg.GGMLQuantizationType
+    x = np.ones((4, 64), np.float32)
+    cases = [({"token_embd.weight": (x, T.Q4_1)}, "gguf: token_embd is Q4_1, expected Q8_0"),
+             ({"token_embd.weight": (x, T.Q8_0), "blk.0.ffn_up.weight": (x, T.Q8_0)},
+              "gguf: blk.0.ffn_up.weight is Q8_0, expected Q4_1"),
+             ({"blk.0.ffn_up.weight": (x, T.Q4_1)}, "gguf: {} has no token_embd.weight")]
+    for i, (tensors, message) in enumerate(cases):
+        path = tmp_path / f"bad{i}.gguf"
+        _write_gguf(path, tensors)
+        with pytest.raises(ValueError) as e:
+            quant.read_gguf(path, N_HEAD, N_KV)
+        assert str(e.value) == message.format(path)
+
+
+def test_block_cache_reads_back_what_was_parsed(tiny_gguf, tmp_path):
+    """cached_gguf parses once and writes the cache atomically (a new folder made, no temporary file left); later
+    calls read only the cache (the GGUF is not opened again), each projection on use, and an untied head too."""
+    from engine import gguf_blocks
+
+    path, expected = tiny_gguf
+    cache = tmp_path / "new" / "blocks.safetensors"
+    _check_tiny(gguf_blocks.cached_gguf(path, N_HEAD, N_KV, cache), expected)
+    assert [p.name for p in cache.parent.iterdir()] == ["blocks.safetensors"]
+    again = gguf_blocks.cached_gguf(tmp_path / "absent.gguf", N_HEAD, N_KV, cache)
+    assert isinstance(again.q4, gguf_blocks.CachedBlocks) and len(again.q4) == 14
+    assert list(again.q4) == sorted(k for k in expected if k != "embed")
+    _check_tiny(again, expected)
+    with pytest.raises(KeyError):
+        again.q4["model.layers.9.mlp.up_proj"]
+    w = quant.read_gguf(path, N_HEAD, N_KV)
+    head_q, head_d = torch.randint(-128, 128, (8, 64), dtype=torch.int8), torch.rand(8, 2).half().float()
+    w.head_q, w.head_d = head_q, head_d
+    gguf_blocks.save_blocks(w, tmp_path / "head.safetensors")
+    back = gguf_blocks.load_blocks(tmp_path / "head.safetensors")
+    assert torch.equal(back.head_q, head_q) and torch.equal(back.head_d, head_d) and back.head_d.dtype == torch.float32
+    assert sorted(back.q4) == sorted(w.q4) and torch.equal(back.embed_q, w.embed_q)
+
+
+def _small_blocks(n: int = 16, k: int = 128, seed: int = 0) -> quant.Q4Blocks:
+    g = torch.Generator().manual_seed(seed)
+    return quant.Q4Blocks(torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=g),
+                          (torch.rand(n, k // 32, generator=g) * 0.01 + 0.002).half().float(),
+                          (-torch.rand(n, k // 32, generator=g) * 0.05).half().float())
+
+
+def test_pack_pairs_and_tiles_are_the_kernels_layout():
+    from engine.weights.int4 import pack_pairs, tiled
+
+    t = torch.arange(8 * 6).view(8, 6)
+    want = torch.tensor([[t[r0 + r, c * 2 + j] for c in range(3) for r in range(4) for j in range(2)]
+                         for r0 in (0, 4)]).view(8, 6)
+    assert torch.equal(tiled(t, 3), want)  # [N/4, chunks, 4 rows, chunk]
+    q = _small_blocks().q
+    flat = torch.tensor([[q[r, p * 64 + b] | (q[r, p * 64 + 32 + b] << 4) for p in range(2) for b in range(32)]
+                         for r in range(16)], dtype=torch.uint8)
+    packed = pack_pairs(q)
+    assert packed.dtype == torch.uint8 and torch.equal(packed, tiled(flat, 2))
+
+
+def test_int4_weight_on_small_blocks(kernels):
+    from engine.weights.int4 import MAX_K, _ours, pack_pairs, tiled
+
+    blocks = _small_blocks()
+    ref_w = blocks.dequantize()
+    x = torch.randn(3, 128)
+    ref = x @ ref_w.T
+    rel = lambda y: float((y - ref).abs().max() / ref.abs().max())  # noqa: E731
+    w = quant.Int4Weight(blocks, True, kernels)
+    assert (w.out_features, w.in_features) == (16, 128)
+    if kernels == "ours":
+        assert torch.equal(w.qs, pack_pairs(blocks.q))
+        assert torch.equal(w.dm, tiled(torch.stack([blocks.d, blocks.m], -1).half(), 4)) and w.dm.dtype == torch.float16
+        assert torch.equal(w.mt, blocks.m.t()) and w.mt.is_contiguous()
+        assert w.wide_bf16 == cpu_kernels.bf16_ok() and (w.dense is None) == w.wide_bf16
+        assert rel(w.narrow(x, "fp32")) < 1e-6 and rel(w.narrow(x, "int8")) < 2e-2
+        if w.dense is not None:
+            assert torch.equal(w.dense, ref_w.bfloat16())
+        assert _ours(4, 64, kernels) is not None and _ours(8, MAX_K, kernels) is not None
+        assert _ours(4, 96, kernels) is None and _ours(6, 64, kernels) is None and _ours(4, MAX_K + 64, kernels) is None
+    else:
+        assert w.kernels is None and not w.wide_bf16 and _ours(4, 64, kernels) is None
+        sz = torch.stack([blocks.d, blocks.m + 8 * blocks.d], -1).transpose(0, 1).bfloat16()
+        assert torch.equal(w.scale_zero, sz)
+        s = sz.float().transpose(0, 1)
+        assert torch.equal(w.dense, ((blocks.q.view(16, 4, 32).float() - 8) * s[..., 0:1] + s[..., 1:2]).view(16, 128).bfloat16())
+        assert rel(w.narrow(x, "fp32")) < 2e-2
+    assert rel(w.wide(x)) < 2e-2 and w.wide(x).dtype == torch.float32
+    plain = quant.Int4Weight(blocks, False, kernels)
+    assert plain.dense is None and not plain.wide_bf16
+
+
+@pytest.mark.parametrize("act", ["fp32", "int8"])
+def test_int4_linear_switch_bias_and_lora_on_small_blocks(kernels, act):
+    """The switch counts positions per sequence (>= wide_rows, or inside wide_calls()); bias, then the LoRA delta of
+    each fused part into its own slice; wide_rows None keeps 4-bit at every width."""
+    from engine.model import wide_calls
+
+    blocks = _small_blocks()
+    w = quant.Int4Weight(blocks, True, kernels)
+    g = torch.Generator().manual_seed(1)
+    a, b = torch.randn(4, 128, generator=g) * 0.1, torch.randn(16, 4, generator=g) * 0.1
+    bias = torch.randn(16, generator=g)
+    lora = quant.LoRA([(a[:2], b[:6, :2]), (a[2:], b[6:, 2:])], [6, 10], 1.5)
+    delta = 1.5 * torch.block_diag(b[:6, :2], b[6:, 2:]) @ a
+    lin = quant.Int4Linear(w, [6, 10], wide_rows=3, lora=lora, act=act, bias=bias)
+    tol = 1e-5 if (kernels, act) == ("ours", "fp32") else 2e-2
+    for shape in ((1, 2, 128), (2, 1, 128), (2, 128), (1, 3, 128), (3, 128)):
+        x = torch.randn(*shape, generator=g)
+        ref = F.linear(x, blocks.dequantize() + delta, bias)
+        y = lin(x)
+        assert y.shape == (*shape[:-1], 16) and y.dtype == torch.float32
+        wide = (shape[-2] if len(shape) > 2 else shape[0]) >= 3  # bf16 activations
+        assert float((y - ref).abs().max() / ref.abs().max()) < (2e-2 if wide else tol), shape
+    # which path ran: wide calls now compute with zero weights, so only the bias and the LoRA delta are left
+    w.wide_bf16, w.dense = False, torch.zeros(16, 128, dtype=torch.bfloat16)
+    only = lambda x: F.linear(x, delta, bias)  # noqa: E731
+    x2, x3 = torch.randn(1, 2, 128, generator=g), torch.randn(1, 3, 128, generator=g)
+    torch.testing.assert_close(lin(x3), only(x3))  # at wide_rows: wide
+    assert (lin(x2) - only(x2)).abs().max() > 0.05  # below: 4-bit
+    assert (lin(torch.randn(4, 1, 128)) - only(torch.randn(4, 1, 128))).abs().max() > 0.05  # 4 rows of 1 position
+    with wide_calls():
+        torch.testing.assert_close(lin(x2), only(x2))
+    every = quant.Int4Linear(w, [6, 10], wide_rows=None, act=act)
+    assert every.bias is None and every.lora is None
+    torch.testing.assert_close(every(x3), F.linear(x3, blocks.dequantize()), atol=tol * 5, rtol=tol * 5)
+    one = quant.LoRA([(a, b)], [16], 2.0)  # a single part: one addmm
+    assert one.whole and not lora.whole and len(lora.slices) == 2
+    torch.testing.assert_close(one.add_to(torch.ones(3, 16), x3[0]), 1 + 2.0 * x3[0] @ a.T @ b.T)
+    skip = quant.LoRA([None, (a[2:], b[6:, 2:])], [6, 10], 1.5)
+    y = skip.add_to(torch.zeros(3, 16), x3[0])
+    assert y[:, :6].abs().max() == 0 and not skip.whole
+    torch.testing.assert_close(y[:, 6:], (x3[0] @ delta.T)[:, 6:])
+
+
+def test_dense_bf16_linear():
+    g = torch.Generator().manual_seed(2)
+    weight, bias = torch.randn(8, 64, generator=g), torch.randn(8, generator=g)
+    a, b = torch.randn(2, 64, generator=g), torch.randn(8, 2, generator=g)
+    lin = quant.DenseBF16Linear(weight, [8], quant.LoRA([(a, b)], [8], 0.5), bias)
+    assert lin.weight.dtype == torch.bfloat16 and lin.splits == [8]
+    x = torch.randn(2, 3, 64, generator=g)
+    ref = F.linear(x.bfloat16(), weight.bfloat16()).float() + bias + 0.5 * x @ a.T @ b.T
+    y = lin(x)
+    assert y.shape == (2, 3, 8) and y.dtype == torch.float32
+    torch.testing.assert_close(y, ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(quant.DenseBF16Linear(weight, [8])(x), F.linear(x.bfloat16(), weight.bfloat16()).float())
+
+
+def test_q8_head_embedding_and_planes_on_small_rows(kernels):
+    g = torch.Generator().manual_seed(3)
+    q = torch.randint(-128, 128, (16, 128), dtype=torch.int8, generator=g)
+    q[0, :4] = torch.tensor([-128, 127, -1, 0], dtype=torch.int8)
+    d = (torch.rand(16, 4, generator=g) * 0.01 + 0.001).half().float()
+    exact = (q.float().view(16, 4, 32) * d[..., None]).flatten(1)
+    hi, lo = quant.q8_planes(q, d)
+    assert torch.equal(hi.dequantize() + lo.dequantize(), exact)
+    assert int(hi.q.min()) >= 0 and int(hi.q.max()) <= 15 and int(lo.q.min()) >= 0 and int(lo.q.max()) <= 15
+    head = quant.Q8Head(q, d, kernels)
+    if kernels == "ours":
+        from engine.weights.int4 import tiled
+
+        assert torch.equal(head.u, tiled((q.int() + 128).to(torch.uint8), 2)) and head.weight is None
+        assert torch.equal(head.d, tiled(d.half(), 4)) and torch.equal(head.mt, (-128 * d).t())
+    else:
+        assert head.kernels is None and torch.equal(head.weight, exact.bfloat16())
+    extra = torch.randn(2, 128, generator=g)
+    for act in quant.ACTS:
+        tol = 1e-6 if (kernels, act) == ("ours", "fp32") else 2e-2
+        lm = quant.LMHead(head, extra, act)
+        for width in (1, 3, 4, 6):
+            x = torch.randn(1, width, 128, generator=g)
+            y = lm(x)
+            assert y.shape == (1, width, 18) and y.dtype == torch.float32
+            ref = F.linear(x, exact)
+            assert float((y[..., :16] - ref).abs().max() / ref.abs().max()) < tol, (act, width)
+            torch.testing.assert_close(y[..., 16:], F.linear(x, extra))
+        assert quant.LMHead(head, None, act)(x).shape == (1, 6, 16)
+    if kernels == "torch":  # below HEAD_WIDE_ROWS positions the two int4 planes, from it the dense bf16 copy
+        head.weight = torch.zeros_like(head.weight)
+        assert head(torch.randn(3, 128), 3, "fp32").abs().max() > 0.01
+        assert head(torch.randn(4, 128), quant.HEAD_WIDE_ROWS, "fp32").abs().max() == 0
+    emb = quant.Q8Embedding(q, d, extra, torch.float32)
+    ids = torch.tensor([[0, 15, 16, 17], [3, 3, 17, 1]])
+    table = torch.cat([exact, extra])
+    assert torch.equal(emb(ids), table[ids])
+    assert torch.equal(emb(ids[:, :2]), exact[ids[:, :2]])
+    plain = quant.Q8Embedding(q, d, None, torch.bfloat16)
+    assert plain(ids[:, :2]).dtype == torch.bfloat16
+    torch.testing.assert_close(plain(ids[:, :2]).float(), exact[ids[:, :2]], atol=0, rtol=1e-2)
+
+
+def test_fused_layer_step_switch(monkeypatch):
+    from engine.runtime import Runtime
+
+    monkeypatch.delenv("FASTDLLM_FUSED", raising=False)
+    assert quant.WeightPolicy.from_env().fused and Runtime.from_env().fused
+    monkeypatch.setenv("FASTDLLM_FUSED", "0")
+    assert not quant.WeightPolicy.from_env().fused
+    monkeypatch.setenv("FASTDLLM_FUSED", "1")
+    assert quant.WeightPolicy.from_env().fused
