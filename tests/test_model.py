@@ -176,7 +176,7 @@ def test_cached_block_steps_equal_the_block_causal_forward(tiny):
 
 @torch.no_grad()
 def test_packed_layout_and_its_cached_steps_equal_the_plain_forward(tiny):
-    from engine.packing import pack_for_decode
+    from engine.weights.packing import pack_for_decode
 
     ours, _ = tiny
     packed = pack_for_decode(copy.deepcopy(ours))
