@@ -460,7 +460,7 @@ def test_gguf_refuses_unexpected_block_types(tmp_path):
 def test_block_cache_reads_back_what_was_parsed(tiny_gguf, tmp_path):
     """cached_gguf parses once and writes the cache atomically (a new folder made, no temporary file left); later
     calls read only the cache (the GGUF is not opened again), each projection on use, and an untied head too."""
-    from engine import gguf_blocks
+    from engine.weights import gguf as gguf_blocks
 
     path, expected = tiny_gguf
     cache = tmp_path / "new" / "blocks.safetensors"
