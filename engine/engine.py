@@ -11,7 +11,8 @@ import torch
 from .config import ConfigError, DecodeConfig, fit_to_context
 from .decode import Cancel, decoder_for
 from .driver import Driver
-from .events import Event, Listener, Result, Trace  # Result lives in events.py (the scheduler's too)
+from .events import Result  # (in events.py, beside Summary and Trace: the scheduler hands it out too)
+from .events import Event, Listener, Summary, Trace
 from .loading import LoadedModel, load
 from .runtime import Runtime
 from .static import StaticStepper, compile_wanted, static_layer, graphs_wanted, wanted as static_wanted
@@ -149,7 +150,7 @@ class Engine:
             dec = decoder_for(model, cfg, self.lm.mask_token_id, self.tb,
                               listener=on_event if (record or listener) else None, cancel=cancel,
                               stepper=self.stepper(model))
-            summaries = dec.run(ids)
+            summaries: list[Summary] = dec.run(ids)
             if self.lm.device.type == "cuda":
                 torch.cuda.synchronize()
         results = []

@@ -106,9 +106,6 @@ class Plan:
     final: Prefill | None = None  # or its last piece: the prefill that commits its first tokens, then its batch
     step: list[tuple] = field(default_factory=list)  # keys whose batch runs one forward
 
-    def __bool__(self) -> bool:
-        return bool(self.unstarted or self.open or self.join or self.chunk or self.final or self.step)
-
 
 class Scheduler:
     """Admission, grouping by batch key, chunked-prefill order and delivery; the driver runs what it decides."""
