@@ -61,7 +61,8 @@ def load(model: str | None = None, device: str | None = None, dtype: str | None 
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dt = getattr(torch, dtype) if dtype else default_dtype(dev, rt)
     policy = quant.WeightPolicy.of(rt)
-    cfg0 = ModelConfig.from_hf(json.loads((source.path / "config.json").read_text()))
+    cfg_json = json.loads((source.path / "config.json").read_text())
+    cfg0 = ModelConfig.from_hf(cfg_json)
     # 4-bit by default on CPU: the bundled model from its GGUF's own blocks, any other checkpoint quantised at load
     unfit = four_bit_unfit(cfg0) if source.kind != "bundled" else None
     four_bit = dev.type == "cpu" and policy.mode != "fp32" and unfit is None
@@ -94,7 +95,6 @@ def load(model: str | None = None, device: str | None = None, dtype: str | None 
     if mask_id is not None and mask_id >= dllm.cfg.vocab_size:
         raise ModelSourceError(f"model: mask token id {mask_id} is outside the embedding ({dllm.cfg.vocab_size} rows)")
     stops = tuple(sorted({i for i in (vocab.get("<|im_end|>"), tok.eos_token_id) if i is not None}))
-    cfg_json = json.loads((source.path / "config.json").read_text())
     name = BUNDLED_NAME if source.kind == "bundled" else cfg_json.get("_name_or_path") or source.spec
     if source.kind != "bundled":
         name = source.spec.rstrip("/").split("/")[-1] if "/" in source.spec else source.spec
