@@ -1,6 +1,7 @@
 """Shared benchmark plumbing: prompts, engine loading, peak memory, tables, charts, JSON output."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import platform
@@ -9,7 +10,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
@@ -57,6 +58,18 @@ def start_process(cmd: list[str], ready_url: str, what: str, threads: int,
     raise RuntimeError(f"the {what} did not start within 300 s")
 
 
+@contextlib.contextmanager
+def running(url: str | None, start: Callable[[], tuple[Any, str]]) -> Iterator[str]:
+    """The URL of an already running server (`url`), or of one `start` launches for the bench and stops after it."""
+    proc, url = (None, url) if url else start()
+    try:
+        yield url
+    finally:
+        if proc is not None:
+            proc.terminate()
+            proc.wait(30)
+
+
 def prompts_for(path: str | Path, n: int) -> list[str] | None:
     """The first n prompts of a file, or None after printing why there are fewer (a benchmark's exit code 2)."""
     prompts = load_prompts(path, n)
@@ -64,6 +77,31 @@ def prompts_for(path: str | Path, n: int) -> list[str] | None:
         print(f"error: {path} has fewer than {n} prompts", file=sys.stderr)
         return None
     return prompts
+
+
+def subcommand(sub: Any, name: str, help: str, func: Callable[[Any], int], *, threads: int | None = None) -> Any:
+    """A bench's subparser with what every such bench takes: --threads (torch threads; None: torch's default) and
+    --out (a directory for NAME.json; none: print only). The caller adds its own options."""
+    import argparse
+
+    p = sub.add_parser(name, help=help, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--threads", type=int, default=threads, help="torch CPU threads")
+    p.add_argument("--out", default=None, help=f"write DIR/{name}.json")
+    p.set_defaults(func=func)
+    return p
+
+
+def add_concurrency_options(p: Any, *, started: tuple[str, str, str], crowd: str, settings: dict[str, Any], default_settings: str,
+                            max_tokens_help: str) -> None:
+    """The options of a "N at once vs one after another" bench (serve: clients, studio: browser sessions)."""
+    p.add_argument("--url", help=f"an already running {started[0]}'s {started[2]} (default: start `{started[1]}`)")
+    p.add_argument("--model", help=f"model for the started {started[0]} (default: the bundled one)")
+    p.add_argument(f"--{crowd}", type=int, default=8, help=f"{crowd} at once")
+    p.add_argument("--repeats", type=int, default=2, help=f"alternations of the one-{crowd[:-1]} and N-{crowd[:-1]} phases")
+    p.add_argument("--max-tokens", type=int, default=32, help=max_tokens_help)
+    p.add_argument("--settings", default=default_settings, help=f"of {', '.join(settings)}")
+    p.add_argument("--prompts", default=str(DEFAULT_PROMPTS), help=f'JSONL of {{"prompt": ...}} (the first --{crowd})')
+    p.add_argument("--threads", type=int, default=1, help=f"FASTDLLM_THREADS of the started {started[0]}")
 
 
 def load_prompts(path: str | Path, limit: int | None = None) -> list[str]:

@@ -24,7 +24,7 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
-from .common import parse_list, setup_torch, table, write_json
+from .common import parse_list, setup_torch, subcommand, table, write_json
 
 SHAPES = {"qkv": (960, 576), "o_proj": (576, 576), "gate_up": (3072, 576), "down_proj": (576, 1536)}  # (out, in)
 GROUP = 32
@@ -94,16 +94,12 @@ def cold_stream_gbps(mb: int, repeats: int) -> float:
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("kernels", help="the CPU matmul kernels alone (int4 / bf16 / fp32) by rows k",
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = subcommand(sub, "kernels", "the CPU matmul kernels alone (int4 / bf16 / fp32) by rows k", main)
     p.add_argument("--widths", default="1,2,4,8,9,16,32", help="rows k per product")
     p.add_argument("--iters", type=int, default=200)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--stream-mb", type=int, default=512, help="weights streamed for the cold bandwidth probe (0: skip)")
-    p.add_argument("--threads", type=int, default=None)
-    p.add_argument("--out", default=None, help="write DIR/kernels.json")
-    p.set_defaults(func=main)
-
+    
 
 def main(args: argparse.Namespace) -> int:
     setup_torch(args.threads)

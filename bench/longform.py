@@ -34,7 +34,7 @@ from typing import Any
 
 from engine.finish import Finish, judge
 
-from grading.checker import load_eval_set, mention_pattern, normalise, read_jsonl
+from grading.checker import load_eval_set, mention_pattern, normalise, read_records
 from .common import BENCH_DIR, progress
 
 CHECKABLE_SET = BENCH_DIR / "data" / "long_checkable.jsonl"
@@ -56,7 +56,7 @@ def _element(value: Any) -> tuple[str, ...] | None:
     return tuple(normalise(v) for v in variants)
 
 
-def _problem(item: Any, seen: dict[str, int]) -> str | None:
+def _problem(item: Any) -> str | None:
     if not isinstance(item, dict):
         return "record must be a JSON object"
     if unknown := sorted(set(item) - _KEYS):
@@ -64,8 +64,6 @@ def _problem(item: Any, seen: dict[str, int]) -> str | None:
     for key in ("id", "category", "prompt"):
         if not isinstance(item.get(key), str) or not item[key].strip():
             return f"'{key}' must be a non-empty string"
-    if item["id"] in seen:
-        return f"duplicate id {item['id']!r} (first on line {seen[item['id']]})"
     if item.get("match", "list") not in MATCH_RULES:
         return f"'match' must be one of {list(MATCH_RULES)}, not {item['match']!r}"
     seq = item.get("sequence")
@@ -88,14 +86,7 @@ def _problem(item: Any, seen: dict[str, int]) -> str | None:
 
 def load_checkable(path: str | Path) -> list[dict[str, Any]]:
     """The checkable long-answer set, validated; a bad record raises ValueError naming the file, line and field."""
-    items: list[dict[str, Any]] = []
-    seen: dict[str, int] = {}
-    for lineno, item in read_jsonl(path):
-        problem = _problem(item, seen)
-        if problem is not None:
-            raise ValueError(f"{path}: line {lineno}: {problem}")
-        seen[item["id"]] = lineno
-        items.append(item)
+    items = read_records(path, _problem)
     if not items:
         raise ValueError(f"{path}: no items")
     return items

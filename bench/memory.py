@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from .common import parse_list, table, write_json
+from .common import parse_list, subcommand, table, write_json
 
 _CHILD = """
 import json, sys
@@ -40,14 +40,10 @@ def measure(weights: str, max_new_tokens: int, threads: int) -> dict[str, Any]:
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("memory", help="studio process RSS (now and peak) per FASTDLLM_WEIGHTS mode",
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = subcommand(sub, "memory", "studio process RSS (now and peak) per FASTDLLM_WEIGHTS mode", main, threads=1)
     p.add_argument("--weights", default="fp32,int4+bf16", help="comma list of FASTDLLM_WEIGHTS modes")
     p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--out", default=None, help="write DIR/memory.json")
-    p.set_defaults(func=main)
-
+    
 
 def main(args: argparse.Namespace) -> int:
     from engine.weights.quant import WeightPolicy

@@ -24,7 +24,7 @@ from typing import Any, Callable
 
 import torch
 
-from .common import environment, load_engine, setup_torch, table, write_json
+from .common import environment, load_engine, setup_torch, subcommand, table, write_json
 
 SHAPES: dict[str, dict[str, Any]] = {
     "smollm2-135m": dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
@@ -171,8 +171,7 @@ def engine_ar_per_token(eng, prefix: int, new_tokens: int, iters: int) -> float:
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("roofline", help="forward cost vs the memory-bandwidth roof; generate() overhead (--hf)",
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = subcommand(sub, "roofline", "forward cost vs the memory-bandwidth roof; generate() overhead (--hf)", main)
     p.add_argument("--model", default=None, help="engine model spec (default: bundled base + adapter)")
     p.add_argument("--shape", choices=sorted(SHAPES), default=None,
                    help="random weights of this architecture instead of --model")
@@ -187,10 +186,7 @@ def add_parser(sub) -> None:
     p.add_argument("--peak-gbps", type=float, default=None, help="nominal peak bandwidth (GPUs: from a table)")
     p.add_argument("--hf", action="store_true", help="also time transformers' step and generate() (engine models)")
     p.add_argument("--new-tokens", type=int, default=32, help="tokens per generate() run for the per-token cost")
-    p.add_argument("--threads", type=int, default=None)
-    p.add_argument("--out", default=None, help="write DIR/roofline.json")
-    p.set_defaults(func=main)
-
+    
 
 def main(args: argparse.Namespace) -> int:
     setup_torch(args.threads)

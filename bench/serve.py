@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .common import DEFAULT_PROMPTS, free_port, prompts_for, start_process, table, write_json
+from .common import add_concurrency_options, free_port, prompts_for, running, start_process, table, write_json
 
 SETTINGS = {
     "ar": {"mode": "ar"},
@@ -28,14 +28,8 @@ SETTINGS = {
 
 def add_parser(sub: Any) -> None:
     p = sub.add_parser("serve", help="N concurrent clients vs one through the OpenAI-compatible server")
-    p.add_argument("--url", help="an already running server's /v1 URL (default: start `python -m engine serve`)")
-    p.add_argument("--model", help="model for the started server (default: the bundled one)")
-    p.add_argument("--clients", type=int, default=8)
-    p.add_argument("--repeats", type=int, default=2, help="alternations of the one-client and N-client phases")
-    p.add_argument("--max-tokens", type=int, default=32)
-    p.add_argument("--settings", default="ar,diffusion-block,diffusion-dual", help=f"of {', '.join(SETTINGS)}")
-    p.add_argument("--prompts", default=str(DEFAULT_PROMPTS), help="JSONL of {\"prompt\": ...} (the first --clients are used)")
-    p.add_argument("--threads", type=int, default=1, help="FASTDLLM_THREADS of the started server")
+    add_concurrency_options(p, started=("server", "python -m engine serve", "/v1 URL"), crowd="clients", settings=SETTINGS,
+                            default_settings="ar,diffusion-block,diffusion-dual", max_tokens_help="answer tokens")
     p.add_argument("--out", default="runs/bench/serve", help="directory for results.json")
     p.set_defaults(func=run)
 
@@ -143,8 +137,7 @@ def run(args: argparse.Namespace) -> int:
     prompts = prompts_for(args.prompts, args.clients)
     if prompts is None:
         return 2
-    proc, url = (None, args.url) if args.url else start_server(args.model, args.threads)
-    try:
+    with running(args.url, lambda: start_server(args.model, args.threads)) as url:
         info = httpx.get(url + "/models", timeout=10).json()["data"][0]
         load_before = os.getloadavg()
         results = []
@@ -176,8 +169,4 @@ def run(args: argparse.Namespace) -> int:
                     [("setting", "setting"), ("one", "1 client tok/s"), ("many", f"{args.clients} clients tok/s"),
                      ("x", "ratio"), ("p50", "TTFT p50 s"), ("p95", "TTFT p95 s"), ("same", "same answers")]))
         print(f"wrote {out / 'results.json'}")
-    finally:
-        if proc is not None:
-            proc.terminate()
-            proc.wait(30)
     return 0

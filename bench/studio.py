@@ -32,7 +32,7 @@ from typing import Any
 
 from engine.runtime import Runtime
 
-from .common import DEFAULT_PROMPTS, free_port, prompts_for, start_process, table, write_json
+from .common import add_concurrency_options, free_port, prompts_for, running, start_process, table, write_json
 from .serve import SETTINGS, compare, summarize
 
 PAGE_SETUP = """() => {
@@ -69,14 +69,8 @@ READ_RUN = """() => {
 
 def add_parser(sub: Any) -> None:
     p = sub.add_parser("studio", help="N browser sessions vs one through the studio (Playwright + Chromium)")
-    p.add_argument("--url", help="an already running studio's URL (default: start `python app.py`)")
-    p.add_argument("--model", help="model for the started studio (default: the bundled one)")
-    p.add_argument("--sessions", type=int, default=8)
-    p.add_argument("--repeats", type=int, default=2, help="alternations of the one-session and N-session phases")
-    p.add_argument("--max-tokens", type=int, default=32, help="the max new tokens slider (a multiple of 8, >= 8)")
-    p.add_argument("--settings", default="ar", help=f"of {', '.join(SETTINGS)}")
-    p.add_argument("--prompts", default=str(DEFAULT_PROMPTS), help="JSONL of {\"prompt\": ...} (the first --sessions)")
-    p.add_argument("--threads", type=int, default=1, help="FASTDLLM_THREADS of the started studio")
+    add_concurrency_options(p, started=("studio", "python app.py", "URL"), crowd="sessions", settings=SETTINGS,
+                            default_settings="ar", max_tokens_help="the max new tokens slider (a multiple of 8, >= 8)")
     p.add_argument("--chromium", default=None, help="Chromium binary (default: $CHROMIUM, /usr/bin/chromium, PATH)")
     p.add_argument("--timeout", type=float, default=300, help="seconds one answer may take")
     p.add_argument("--out", default="bench/results/studio_concurrency", help="directory for results.json")
@@ -294,8 +288,7 @@ def run(args: argparse.Namespace) -> int:
     prompts = prompts_for(args.prompts, args.sessions)
     if prompts is None:
         return 2
-    proc, url = (None, args.url) if args.url else start_studio(args.model, args.threads)
-    try:
+    with running(args.url, lambda: start_studio(args.model, args.threads)) as url:
         info = studio_info(url)
         load_before, t0 = os.getloadavg(), time.time()
         results = run_async(lambda: drive(url, names, prompts, chromium, args))
@@ -314,8 +307,4 @@ def run(args: argparse.Namespace) -> int:
                      ("x", "ratio"), ("p50", "TTFT p50 s"), ("p95", "TTFT p95 s"),
                      ("fw", "forwards / row-forwards"), ("same", "same answers")]))
         print(f"wrote {out / 'results.json'}")
-    finally:
-        if proc is not None:
-            proc.terminate()
-            proc.wait(30)
     return 0

@@ -9,7 +9,7 @@ import json
 import re
 from functools import lru_cache
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 _WHITESPACE = re.compile(r"\s+")
 # A "word character" for boundary purposes: any Unicode letter or digit (not underscore).
@@ -87,20 +87,23 @@ def read_jsonl(path: str | Path) -> Iterator[tuple[int, Any]]:
                 raise ValueError(f"{path}: line {lineno}: invalid JSON ({exc.msg})") from exc
 
 
-def load_eval_set(path: str | Path, *, require_answers: bool = True) -> list[dict[str, Any]]:
-    """Load a JSONL eval set, raising ValueError naming the line number of any bad record."""
+def read_records(path: str | Path, problem: Callable[[Any], str | None]) -> list[dict[str, Any]]:
+    """Every record of a JSONL set, each checked by `problem` (a message, or None when valid) and for an id used twice;
+    the first bad record raises ValueError naming the file and line."""
     items: list[dict[str, Any]] = []
-    seen_ids: dict[str, int] = {}
+    seen: dict[str, int] = {}
     for lineno, item in read_jsonl(path):
-        problem = _problem(item, require_answers)
-        if problem is not None:
-            raise ValueError(f"{path}: line {lineno}: {problem}")
-        item_id = item.get("id")
-        if item_id is not None:
-            if item_id in seen_ids:
-                raise ValueError(
-                    f"{path}: line {lineno}: duplicate id {item_id!r} (first on line {seen_ids[item_id]})"
-                )
-            seen_ids[item_id] = lineno
+        msg = problem(item)
+        if msg is None and item.get("id") in seen:
+            msg = f"duplicate id {item['id']!r} (first on line {seen[item['id']]})"
+        if msg is not None:
+            raise ValueError(f"{path}: line {lineno}: {msg}")
+        if item.get("id") is not None:
+            seen[item["id"]] = lineno
         items.append(item)
     return items
+
+
+def load_eval_set(path: str | Path, *, require_answers: bool = True) -> list[dict[str, Any]]:
+    """Load a JSONL eval set, raising ValueError naming the line number of any bad record."""
+    return read_records(path, lambda item: _problem(item, require_answers))

@@ -100,6 +100,23 @@ def test_prompts_file_rebuilds_byte_identically(tmp_path: Path) -> None:
     assert out.read_bytes() == TRAIN_FILE.read_bytes()
 
 
+def test_maths_draws_run_left_to_right_and_refuse_anything_else() -> None:
+    """prompt_maths.json's draws: Python's evaluation order (the random stream is part of the data), earlier names
+    visible, and any other expression (attribute access, a call outside the draw functions) refused by name."""
+    import random
+
+    from training.data_prompts import _draw
+
+    r, ref = random.Random(7), random.Random(7)
+    assert _draw("d * randint(5, 20) + randint(0, d - 1)", {"d": 12}, r) == 12 * ref.randint(5, 20) + ref.randint(0, 11)
+    assert _draw("randints(10, 99, randint(4, 6))", {}, r) == [ref.randint(10, 99) for _ in range(ref.randint(4, 6))]
+    assert _draw("and_list([3, 4, 5])", {}, r) == "3, 4 and 5"
+    assert _draw("-5 + max(a, 2)", {"a": 9}, r) == 4
+    for bad in ("__import__('os')", "a.real", "open('x')", "a / 2", "unknown + 1"):
+        with pytest.raises(ValueError, match="prompt_maths.json"):
+            _draw(bad, {"a": 1}, r)
+
+
 def test_checker_whole_word_matching() -> None:
     """Whole-word, case-insensitive matching with number boundaries."""
     assert is_correct("The capital is Paris.", ["paris"])

@@ -311,3 +311,34 @@ def test_adapter_parts_replace_each_other(tmp_path):
     assert sorted(tmp_path.iterdir()) == [out]  # the old parts are gone, no mix of two exports
     with pytest.raises(ValueError, match="exceeds max_bytes"):
         adapter_io.write(out, t, 1.0, {}, max_bytes=600)
+
+
+def test_cli_options_are_the_config_fields() -> None:
+    """`python -m training train/selfinstruct/throughput` take their options from the config dataclasses' documented
+    fields (training/options.py): no options given -> the dataclass defaults; inverted flags; Path and None types."""
+    from dataclasses import fields
+
+    from training.__main__ import _selfinstruct_config, parser, train_config
+    from training.selfinstruct import SelfInstructConfig
+    from training.train_speed import ThroughputConfig
+
+    a = parser().parse_args(["train"])
+    assert train_config(a) == TrainConfig(data=a.data)
+    c = train_config(parser().parse_args(["train", "--fp32-weights", "--micro-batch", "2", "--recipe", "pad",
+                                          "--init-from", "x.safetensors", "--mask-later", "0.25"]))
+    assert (c.bf16, c.bf16_weights, c.micro_batch, c.recipe, c.mask_later) == (True, False, 2, "pad", 0.25)
+    assert c.init_from == Path("x.safetensors")
+    assert not train_config(parser().parse_args(["train", "--fp32"])).bf16
+    with pytest.raises(SystemExit):
+        parser().parse_args(["train", "--recipe", "half"])  # choices come from the field
+    documented = [f.name for f in fields(TrainConfig) if "help" in f.metadata]
+    assert len(documented) >= 35 and "progress" not in documented
+
+    s = _selfinstruct_config(parser().parse_args(["selfinstruct", "--batch-size", "8", "--time-budget", "5"]), Path("o"))
+    assert (s.answer_batch, s.time_budget_s, s.out) == (8, 5.0, Path("o"))
+    defaults = _selfinstruct_config(parser().parse_args(["selfinstruct"]), Path("o"))
+    assert defaults == SelfInstructConfig(out=Path("o"), prompts=defaults.prompts)
+    assert _selfinstruct_config(parser().parse_args(["selfinstruct", "--prompts", "none", "--magpie", "4"]),
+                                Path("o")).prompts is None
+    t = parser().parse_args(["throughput", "--rounds", "2", "--profile"])
+    assert (t.rounds, t.profile, t.warmup) == (2, True, ThroughputConfig(data=Path("d")).warmup)

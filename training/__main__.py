@@ -38,19 +38,10 @@ def cmd_distill(a: argparse.Namespace) -> None:
 
 def train_config(a: argparse.Namespace):
     """The `train` subcommand's options as a TrainConfig."""
+    from .options import from_options
     from .train import TrainConfig
 
-    return TrainConfig(
-        data=a.data, run=a.run, model=a.model, recipe=a.recipe, block_size=a.block_size, max_len=a.max_len,
-        answers=a.answers, rank=a.rank, alpha=a.alpha, train_norms=a.train_norms,
-        lr=a.lr, weight_decay=a.weight_decay, warmup_steps=a.warmup_steps, min_lr_ratio=a.min_lr_ratio,
-        epochs=a.epochs, batch_size=a.batch_size, micro_batch=a.micro_batch, grad_clip=a.grad_clip,
-        bf16=not a.fp32, bf16_weights=not a.fp32_weights, attention=a.attention, mask_later=a.mask_later,
-        sub_block_size=a.sub_block_size, certainty_weight=a.certainty_weight,
-        certainty_temperature=a.certainty_temperature, export_to=a.export_to, export_max_mib=a.export_max_mib,
-        seed=a.seed, save_every_s=a.save_every_s, save_every_steps=a.save_every_steps, max_steps=a.max_steps,
-        minutes=a.minutes, limit=a.limit, val_size=a.val_size, init_from=a.init_from, full=a.full,
-        accelerate=a.accelerate, stream=a.stream, shuffle_buffer=a.shuffle_buffer)
+    return from_options(TrainConfig, a, data=a.data)
 
 
 def cmd_train(a: argparse.Namespace) -> None:
@@ -63,6 +54,7 @@ def cmd_train(a: argparse.Namespace) -> None:
 def cmd_throughput(a: argparse.Namespace) -> None:
     import json
 
+    from .options import from_options
     from .train_speed import ThroughputConfig, measure
 
     _threads(a.threads)
@@ -80,9 +72,7 @@ def cmd_throughput(a: argparse.Namespace) -> None:
         a.out.write_text(json.dumps({"data": str(a.data), "max_len": a.max_len, "recipe": "full", "rows": rows}, indent=1))
         print(json.dumps(rows, indent=1))
         return
-    rep = measure(ThroughputConfig(data=a.data, variants=a.variants.split(","), rounds=a.rounds, warmup=a.warmup,
-                                   batch_size=a.batch_size, micro_batch=a.micro_batch, max_len=a.max_len,
-                                   rank=a.rank, profile=a.profile, out=a.out))
+    rep = measure(from_options(ThroughputConfig, a, data=a.data, variants=a.variants.split(","), out=a.out))
     print(json.dumps({k: {m: v[m] for m in ("answer_tokens_per_s", "model_tokens_per_s", "answer_tokens_per_cpu_s",
                                             "model_tokens_per_cpu_s", "seconds")}
                       for k, v in rep["variants"].items()}, indent=1))
@@ -124,14 +114,11 @@ def cmd_ablation(a: argparse.Namespace) -> None:
 
 
 def _selfinstruct_config(a: argparse.Namespace, out: Path):
+    from .options import from_options
     from .selfinstruct import SelfInstructConfig
 
-    return SelfInstructConfig(
-        out=out, prompts=None if str(a.prompts) == "none" else a.prompts, limit_prompts=a.limit_prompts,
-        magpie=a.magpie, magpie_batch=a.magpie_batch, magpie_max_new_tokens=a.magpie_max_new_tokens,
-        magpie_temperature=a.magpie_temperature, magpie_top_p=a.magpie_top_p, answer_batch=a.batch_size,
-        max_new_tokens=a.max_new_tokens, shard_examples=a.shard_examples, time_budget_s=a.time_budget,
-        model=a.model, seed=a.seed).validate()
+    prompts = None if str(a.prompts) == "none" else a.prompts
+    return from_options(SelfInstructConfig, a, out=out, prompts=prompts).validate()
 
 
 def cmd_selfinstruct(a: argparse.Namespace) -> None:
@@ -185,25 +172,20 @@ def cmd_gpu(a: argparse.Namespace) -> None:
 
 
 def _add_selfinstruct_options(s: argparse.ArgumentParser) -> None:
+    from .options import add_options
+    from .selfinstruct import SelfInstructConfig
+
     s.add_argument("--prompts", type=Path, default=DATA / "prompts.jsonl",
                    help='hand-written prompts, JSONL of {"prompt": ...} ("none": Magpie only)')
-    s.add_argument("--limit-prompts", type=int, default=None, help="use only the first N hand-written prompts")
-    s.add_argument("--magpie", type=int, default=0, help="Magpie instructions to have sampled in total (0: none)")
-    s.add_argument("--magpie-batch", type=int, default=256, help="instructions sampled together (one round)")
-    s.add_argument("--magpie-max-new-tokens", type=int, default=96, help="instruction length cap (longer ones are dropped)")
-    s.add_argument("--magpie-temperature", type=float, default=1.0, help="sampling temperature of instructions")
-    s.add_argument("--magpie-top-p", type=float, default=1.0, help="top-p of instructions")
-    s.add_argument("--batch-size", type=int, default=256, help="prompts answered together (greedy AR)")
-    s.add_argument("--max-new-tokens", type=int, default=256, help="answer length cap")
-    s.add_argument("--shard-examples", type=int, default=8192, help="answers per shard file (what a kill can lose)")
-    s.add_argument("--time-budget", type=float, default=None,
-                   help="start no new batch after this many seconds (Magpie sampling: half of it at most)")
-    s.add_argument("--model", default="bundled-base", help="engine model spec of the AR base")
-    s.add_argument("--seed", type=int, default=0, help="seeds the Magpie rounds")
+    add_options(s, SelfInstructConfig)  # the documented fields of SelfInstructConfig (training/selfinstruct.py)
     s.add_argument("--threads", type=int, default=1, help="torch CPU threads")
 
 
 def parser() -> argparse.ArgumentParser:
+    from .options import add_options
+    from .train import TrainConfig
+    from .train_speed import ThroughputConfig
+
     p = argparse.ArgumentParser(prog="python -m training", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -230,60 +212,7 @@ def parser() -> argparse.ArgumentParser:
 
     t = sub.add_parser("train", formatter_class=fmt, help="LoRA fine-tuning with the Fast-dLLM v2 recipe")
     t.add_argument("--data", type=Path, default=DATA / "distill.jsonl", help="chat JSONL (user/assistant turns)")
-    t.add_argument("--run", type=Path, default=Path("runs/train"), help="run directory: checkpoints, log; resumes if present")
-    t.add_argument("--model", default="bundled-base", help="engine model spec of the AR base to adapt")
-    t.add_argument("--recipe", choices=("naive", "pad", "full"), default="full",
-                   help="paper ablation: naive token shift / + pad to block boundary / + complementary masks")
-    t.add_argument("--block-size", type=int, default=32, help="diffusion block size")
-    t.add_argument("--max-len", type=int, default=256, help="prompt+answer tokens kept (multiple of block size)")
-    t.add_argument("--answers", choices=("finish", "keep", "drop"), default="finish",
-                   help="answers policy (training/finish.py): finish = every answer ends with its stop token (capped "
-                        "or over-long ones cut at their last sentence end and closed, loops dropped); keep = the old "
-                        "rule (capped kept without a stop token); drop = capped, over-long and looping dropped")
-    t.add_argument("--rank", type=int, default=32, help="LoRA rank (32; 64-128 for the GPU runs)")
-    t.add_argument("--alpha", type=float, default=64.0, help="LoRA alpha (scale = alpha / rank)")
-    t.add_argument("--train-norms", action="store_true", help="also train the RMSNorm weights")
-    t.add_argument("--lr", type=float, default=3e-4, help="peak learning rate (AdamW)")
-    t.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay")
-    t.add_argument("--warmup-steps", type=int, default=10, help="linear warm-up steps")
-    t.add_argument("--min-lr-ratio", type=float, default=0.1, help="cosine decay floor, fraction of --lr")
-    t.add_argument("--epochs", type=float, default=2.0, help="passes over the data (sets the schedule length)")
-    t.add_argument("--batch-size", type=int, default=4, help="sequences per optimiser step")
-    t.add_argument("--micro-batch", type=int, default=None,
-                   help="sequences per forward (gradient accumulation over --batch-size); default: --batch-size")
-    t.add_argument("--grad-clip", type=float, default=1.0, help="gradient norm clip")
-    t.add_argument("--fp32", action="store_true", help="no bf16 at all: fp32 weights and activations")
-    t.add_argument("--fp32-weights", action="store_true",
-                   help="keep the frozen base in fp32 under bf16 autocast (slower: recasts every weight each step)")
-    t.add_argument("--attention", choices=("auto", "dense", "blockwise", "flex"), default="auto",
-                   help="recipe attention: auto = flex on CUDA, blockwise per-block SDPA for pad/full, dense mask otherwise")
-    t.add_argument("--mask-later", type=float, default=0.0,
-                   help="noise bias in [0, 1]: mask later positions of each sub-block more often (0: uniform per block)")
-    t.add_argument("--sub-block-size", type=int, default=8, help="sub-block size that --mask-later ramps over")
-    t.add_argument("--certainty-weight", type=float, default=0.0,
-                   help="certainty forcing (dParallel): weight of the entropy of correctly predicted masked tokens")
-    t.add_argument("--certainty-temperature", type=float, default=0.5, help="softmax temperature of that entropy")
-    t.add_argument("--export-to", type=Path, default=None,
-                   help="at every checkpoint also write the adapter here in fp16 (split into parts if over --export-max-mib)")
-    t.add_argument("--export-max-mib", type=float, default=16.0, help="largest adapter file --export-to writes")
-    t.add_argument("--seed", type=int, default=0, help="seeds data order, masks and LoRA init")
-    t.add_argument("--save-every-s", type=float, default=240.0, help="checkpoint at least this often (seconds)")
-    t.add_argument("--save-every-steps", type=int, default=0, help="also checkpoint every N steps (0: off)")
-    t.add_argument("--max-steps", type=int, default=None, help="stop this process after this global step")
-    t.add_argument("--minutes", type=float, default=None, help="stop this process after this wall time (resume later)")
-    t.add_argument("--limit", type=int, default=None, help="use only the first N training examples")
-    t.add_argument("--val-size", type=int, default=0, help="hold out N examples; their loss is logged at each checkpoint")
-    t.add_argument("--init-from", type=Path, default=None,
-                   help="new run only: start from the adapter weights of this checkpoint (or a run directory's latest), or of an exported adapter file "
-                        "(.safetensors, e.g. the shipped one; LoRA read back from bf16); fresh optimiser/schedule")
-    t.add_argument("--full", action="store_true",
-                   help="full fine-tuning (every weight; the paper's setting) instead of LoRA; export with --merge-to")
-    t.add_argument("--accelerate", action="store_true",
-                   help="run through accelerate (DDP/FSDP, bf16, accelerate checkpoints); implied under "
-                        "`accelerate launch`/torchrun with more than one process (training/README.md)")
-    t.add_argument("--stream", action="store_true",
-                   help="stream the data (one pass per epoch through a shuffle buffer) instead of loading it all")
-    t.add_argument("--shuffle-buffer", type=int, default=10_000, help="examples the --stream shuffle mixes")
+    add_options(t, TrainConfig)  # every other option is a documented field of TrainConfig (training/train.py)
     t.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     t.set_defaults(func=cmd_train)
 
@@ -293,13 +222,7 @@ def parser() -> argparse.ArgumentParser:
     h.add_argument("--variants", default="before,after",
                    help="comma list of: before (fp32 weights + autocast, dense mask), bf16_weights, after, "
                         "b16_micro4 (after, 16 sequences a step in length-sorted micro-batches of 4), fp32")
-    h.add_argument("--rounds", type=int, default=3, help="timed steps per variant (interleaved)")
-    h.add_argument("--warmup", type=int, default=1, help="untimed steps per variant first")
-    h.add_argument("--batch-size", type=int, default=4, help="sequences per step")
-    h.add_argument("--micro-batch", type=int, default=None, help="sequences per forward")
-    h.add_argument("--max-len", type=int, default=256, help="tokens kept per sequence")
-    h.add_argument("--rank", type=int, default=32, help="LoRA rank")
-    h.add_argument("--profile", action="store_true", help="add the top operators of one profiled step per variant")
+    add_options(h, ThroughputConfig)  # rounds, warmup, batch and micro-batch, length, rank, profile
     h.add_argument("--padding", action="store_true",
                    help="instead: count model tokens per answer token for batch/micro-batch shapes (no model, no timing)")
     h.add_argument("--out", type=Path, default=Path("bench/results/train_throughput.json"), help="JSON report")

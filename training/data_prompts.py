@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import ast
 import json
 import math
+import operator
 import random
 import re
 from collections import Counter
@@ -30,6 +32,7 @@ _POOL_SEED = 1234  # fixed: the candidate pool never depends on the sampling see
 
 V = json.loads((DATA_DIR / "prompt_vocabulary.json").read_text(encoding="utf-8"))
 T = json.loads((DATA_DIR / "prompt_templates.json").read_text(encoding="utf-8"))
+MATHS = json.loads((DATA_DIR / "prompt_maths.json").read_text(encoding="utf-8"))
 _NUMBER_WORDS = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten",
                  "eleven", "twelve"]
 
@@ -115,105 +118,56 @@ def _lists(rng: random.Random) -> list[str]:
     return _fill(t["list"], ({"k": k, "x": x} for x in V["list_things"] for k in t["counts"]))
 
 
-def _arithmetic(rng: random.Random) -> list[str]:
-    """Single-step arithmetic questions and word problems."""
+@lru_cache(maxsize=None)
+def _parsed(expr: str) -> ast.expr:
+    return ast.parse(expr, mode="eval").body
+
+
+_OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul}
+
+
+def _draw(expr: str, names: dict[str, object], r: random.Random) -> object:
+    """One draw of prompt_maths.json: literals, + - *, names and the draw functions, evaluated left to right as Python
+    would (the random stream, hence every later prompt, depends on that order)."""
+    calls: dict[str, Callable[..., object]] = {
+        "randint": r.randint, "choice": r.choice, "sample": r.sample, "max": max, "min": min,
+        "randints": lambda lo, hi, n: [r.randint(lo, hi) for _ in range(n)],
+        "and_list": lambda xs: ", ".join(map(str, xs[:-1])) + f" and {xs[-1]}"}
+
+    def value(node: ast.expr) -> object:
+        if isinstance(node, ast.Constant):
+            return node.value
+        if isinstance(node, ast.Name) and node.id in names:
+            return names[node.id]
+        if isinstance(node, ast.List):
+            return [value(e) for e in node.elts]
+        if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
+            return -value(node.operand)  # type: ignore[operator]
+        if isinstance(node, ast.BinOp) and type(node.op) in _OPS:
+            left = value(node.left)
+            return _OPS[type(node.op)](left, value(node.right))
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in calls:
+            return calls[node.func.id](*[value(a) for a in node.args])
+        raise ValueError(f"prompt_maths.json: {ast.unparse(node)!r} in {expr!r} is not a literal, + - *, a known name "
+                         f"or one of {sorted(calls)}")
+
+    return value(_parsed(expr))
+
+
+def _maths(category: str) -> Callable[[random.Random], list[str]]:
+    """Randomised arithmetic and word problems from training/data/prompt_maths.json: a kind chosen uniformly, the
+    category's draws, the kind's draws, then its text filled."""
+    spec = MATHS[category]
 
     def make(r: random.Random) -> str:
-        kind = r.randrange(17)
-        a, b = r.randint(13, 99), r.randint(13, 99)
-        name, items = r.choice(V["names"]), r.choice(V["count_items"])
-        if kind == 0:
-            return f"What is {a} + {b}?"
-        if kind == 1:
-            return f"What is {max(a, b)} - {min(a, b)}?"
-        if kind == 2:
-            return f"Calculate {r.randint(11, 40)} × {r.randint(3, 12)}."
-        if kind == 3:
-            d = r.randint(3, 12)
-            return f"What is {d * r.randint(11, 40)} divided by {d}?"
-        if kind == 4:
-            return f"What is {r.choice([5, 10, 15, 20, 25, 50, 75])}% of {20 * r.randint(2, 30)}?"
-        if kind == 5:
-            return f"Round {r.randint(101, 9999)} to the nearest {r.choice(['ten', 'hundred'])}."
-        if kind == 6:
-            return f"What is {r.randint(11, 25)} squared?"
-        if kind == 7:
-            return f"Is {r.randint(20, 200)} a prime number? Explain why or why not."
-        if kind == 8:
-            return f"{name} has {a} {items}. Then {name} buys {b} more. How many {items} does {name} have now?"
-        if kind == 9:
-            return (f"{name} had {max(a, b)} {items} and gave {min(a, b)} of them away. "
-                    f"How many {items} does {name} have left?")
-        if kind == 10:
-            return f"A box holds {r.randint(12, 48)} {items}. How many {items} are in {r.randint(3, 15)} boxes?"
-        if kind == 11:
-            f = r.randint(3, 9)
-            return f"{name} shares {f * r.randint(4, 20)} {items} equally among {f} friends. How many does each friend get?"
-        if kind == 12:
-            return f"There are {r.randint(25, 40)} students in a class and {r.randint(2, 9)} are absent today. How many students are present?"
-        if kind == 13:
-            return (f"A bus has {a} passengers. At the next stop {r.randint(2, 12)} people get off and "
-                    f"{r.randint(2, 12)} get on. How many passengers are on the bus now?")
-        if kind == 14:
-            return f"What is the sum of {a}, {b} and {r.randint(13, 99)}?"
-        if kind == 15:
-            return r.choice([f"How many minutes are in {r.randint(2, 12)} hours?",
-                             f"How many seconds are in {r.randint(2, 15)} minutes?",
-                             f"How many days are in {r.randint(2, 9)} weeks?"])
-        return f"Write {r.randint(1, 19)}/{r.choice([2, 4, 5, 8, 10, 20, 25])} as a decimal."
+        kind = spec["kinds"][r.randrange(len(spec["kinds"]))]
+        names: dict[str, object] = {**V, **spec.get("lists", {})}
+        for name, expr in spec["draws"] + kind.get("draws", []):
+            names[name] = _draw(expr, names, r)
+        text = kind["text"]
+        return (r.choice(text) if isinstance(text, list) else text).format(**names)
 
-    return _sample_unique(make, rng, 900)
-
-
-def _multistep_math(rng: random.Random) -> list[str]:
-    """Multi-step word problems that ask for working."""
-    steps = T["multistep_math"]["steps"]
-
-    def make(r: random.Random) -> str:
-        kind = r.randrange(14)
-        name = r.choice(V["names"])
-        tail = r.choice(steps)
-        if kind == 0:
-            (i1, p1), (i2, p2) = r.sample(V["shop_items"], 2)
-            return (f"A shop sells {i1} for {p1} dollars each and {i2} for {p2} dollars each. {name} buys "
-                    f"{r.randint(2, 9)} {i1} and {r.randint(2, 9)} {i2}. How much does {name} spend in total? {tail}")
-        if kind == 1:
-            per = r.randint(12, 40)
-            return f"{name} reads {per} pages a day. A book has {per * r.randint(5, 20) + r.randint(0, per - 1)} pages. How many days does it take to finish it? {tail}"
-        if kind == 2:
-            return (f"A car drives at {r.choice([40, 50, 70, 90, 110])} km per hour for {r.randint(2, 6)} hours, then drives "
-                    f"{r.randint(15, 95)} km more. What is the total distance? {tail}")
-        if kind == 3:
-            c = r.randint(2, 4)
-            base = r.choice([12, 16, 20, 24])
-            return f"A recipe needs {c} cups of flour for {base} cookies. How much flour is needed for {base * r.randint(2, 5)} cookies? {tail}"
-        if kind == 4:
-            return (f"{name} earns {r.randint(11, 30)} dollars per hour and works {r.randint(3, 8)} hours a day for "
-                    f"{r.randint(3, 6)} days. How much does {name} earn in total? {tail}")
-        if kind == 5:
-            return (f"The temperature was {r.randint(-5, 15)} degrees in the morning, rose by {r.randint(3, 12)} degrees "
-                    f"by noon and then fell by {r.randint(2, 14)} degrees by night. What was the temperature at night? {tail}")
-        if kind == 6:
-            return (f"A garden is {r.randint(6, 30)} meters long and {r.randint(4, 20)} meters wide. What is its area? "
-                    f"If fencing costs {r.randint(3, 15)} dollars per meter, how much does it cost to fence the whole garden? {tail}")
-        if kind == 7:
-            return f"A class of {r.randint(21, 39)} students is split into groups of {r.randint(3, 6)}. How many full groups are there, and how many students are left over? {tail}"
-        if kind == 8:
-            return f"{name} has {6 * r.randint(5, 40)} dollars and spends a third on books and half of what remains on food. How much money is left? {tail}"
-        if kind == 9:
-            return f"A water tank holds {100 * r.randint(3, 20)} liters and is {r.choice([10, 20, 25, 40, 60, 75])}% full. How many more liters are needed to fill it? {tail}"
-        if kind == 10:
-            nums = [r.randint(10, 99) for _ in range(r.randint(4, 6))]
-            return f"What is the average of {', '.join(map(str, nums[:-1]))} and {nums[-1]}? {tail}"
-        if kind == 11:
-            a, x, b = r.randint(2, 9), r.randint(2, 15), r.randint(1, 30)
-            return f"Solve for x: {a}x + {b} = {a * x + b}. {tail}"
-        if kind == 12:
-            return f"A jacket costs {r.randint(4, 30) * 5} dollars and is on sale for {r.choice([10, 20, 25, 30, 40, 50])}% off. What is the sale price? {tail}"
-        return (f"A train leaves at {r.randint(6, 11)}:{r.choice(['00', '15', '30', '45'])} in the morning and the trip takes "
-                f"{r.randint(70, 250)} minutes. What time does it arrive? {tail}")
-
-    return _sample_unique(make, rng, 700)
+    return lambda rng: _sample_unique(make, rng, spec["count"])
 
 
 def _rewriting(rng: random.Random) -> list[str]:
@@ -370,8 +324,8 @@ CATEGORIES: dict[str, Callable[[random.Random], list[str]]] = {
     "facts_history": _facts_history,
     "explanation": _explanations,
     "list": _lists,
-    "arithmetic": _arithmetic,
-    "multistep_math": _multistep_math,
+    "arithmetic": _maths("arithmetic"),  # single-step arithmetic and word problems
+    "multistep_math": _maths("multistep_math"),  # multi-step word problems that ask for working
     "rewriting": _rewriting,
     "summarising": _summarising,
     "code": _code,

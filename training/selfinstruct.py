@@ -22,12 +22,13 @@ import hashlib
 import json
 import os
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from engine.weights import MASK_TOKEN
 
 from .data_prompts import EvalFilter, load_excluded_prompts, normalise_prompt
+from .options import opt
 from .shards import SOURCES, answered_keys, make_shard, shard_paths, summarize
 
 FORMAT = "fastdllm-selfinstruct-v1"
@@ -45,19 +46,21 @@ FILTER_RULES = {
 @dataclass(slots=True)
 class SelfInstructConfig:
     out: Path
-    prompts: Path | None = None  # hand-written prompts (JSONL {"prompt": ...}); None: Magpie only
-    limit_prompts: int | None = None  # first N hand-written prompts
-    magpie: int = 0  # Magpie samples to have drawn in total (rounds of magpie_batch)
-    magpie_batch: int = 256
-    magpie_max_new_tokens: int = 96
-    magpie_temperature: float = 1.0
-    magpie_top_p: float = 1.0
-    answer_batch: int = 256
-    max_new_tokens: int = 256
-    shard_examples: int = 8192  # answered prompts per shard (what a kill can lose)
-    time_budget_s: float | None = None  # no new batch after this many seconds (a shard is always flushed)
-    model: str = "bundled-base"  # the AR base WITHOUT the adapter
-    seed: int = 0
+    # hand-written prompts; None: Magpie only (the CLI's default and its "none" are read in training/__main__.py)
+    prompts: Path | None = None
+    limit_prompts: int | None = field(default=None, metadata=opt("use only the first N hand-written prompts"))
+    magpie: int = field(default=0, metadata=opt("Magpie instructions to have sampled in total (0: none)"))
+    magpie_batch: int = field(default=256, metadata=opt("instructions sampled together (one round)"))
+    magpie_max_new_tokens: int = field(default=96, metadata=opt("instruction length cap (longer ones are dropped)"))
+    magpie_temperature: float = field(default=1.0, metadata=opt("sampling temperature of instructions"))
+    magpie_top_p: float = field(default=1.0, metadata=opt("top-p of instructions"))
+    answer_batch: int = field(default=256, metadata=opt("prompts answered together (greedy AR)", flag="batch-size"))
+    max_new_tokens: int = field(default=256, metadata=opt("answer length cap"))
+    shard_examples: int = field(default=8192, metadata=opt("answers per shard file (what a kill can lose)"))
+    time_budget_s: float | None = field(default=None, metadata=opt(
+        "start no new batch after this many seconds (Magpie sampling: half of it at most)", flag="time-budget"))
+    model: str = field(default="bundled-base", metadata=opt("engine model spec of the AR base (without the adapter)"))
+    seed: int = field(default=0, metadata=opt("seeds the Magpie rounds"))
 
     def validate(self) -> "SelfInstructConfig":
         for name in ("magpie_batch", "answer_batch", "magpie_max_new_tokens", "max_new_tokens", "shard_examples"):

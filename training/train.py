@@ -24,60 +24,80 @@ from tqdm import tqdm
 
 from . import adapter_io
 from .attention import IMPLS
+from .finish import POLICIES
 from .examples import Example
 from .lora import add_adapter, trainable_state
+from .options import opt
 from .recipe import RECIPES, Batch, LossConfig, batch_loss, build_batch, draw_noise, loss_parts
 
 
 @dataclass
 class TrainConfig:
     data: Path | None = None
-    run: Path = Path("runs/train")
-    model: str = "bundled-base"
-    recipe: str = "full"
-    block_size: int = 32
-    max_len: int = 256
-    answers: str = "finish"  # training.finish policy: every kept answer ends with its stop token
-    rank: int = 32
-    alpha: float = 64.0
-    train_norms: bool = False
-    lr: float = 3e-4
-    weight_decay: float = 0.0
-    warmup_steps: int = 10
-    min_lr_ratio: float = 0.1
-    epochs: float = 2.0
-    batch_size: int = 4  # sequences per optimiser step
-    micro_batch: int | None = None  # sequences per forward (gradient accumulation); None: batch_size
-    grad_clip: float = 1.0
-    bf16: bool = True
-    bf16_weights: bool = True  # store the frozen base in bf16 (with bf16 on); False: fp32 weights + autocast
-    attention: str = "auto"  # training.attention: auto | dense | blockwise | flex
-    mask_later: float = 0.0  # noise: mask later positions of a sub-block more often (recipe.draw_noise)
-    sub_block_size: int = 8
-    certainty_weight: float = 0.0  # certainty forcing (recipe.LossConfig); 0: the paper's loss
-    certainty_temperature: float = 0.5
-    export_to: Path | None = None  # at every checkpoint, also write the adapter here (fp16, in parts)
-    export_max_mib: float = 16.0
-    seed: int = 0
-    save_every_s: float = 240.0
-    save_every_steps: int = 0
-    max_steps: int | None = None  # stop this process at this global step
-    minutes: float | None = None  # stop this process after this wall time
-    limit: int | None = None
-    val_size: int = 0
-    init_from: Path | None = None  # start a new run from another run's trained weights (not its optimiser)
-    full: bool = False  # full fine-tuning (every weight, fp32 masters) instead of LoRA (training/full.py)
-    accelerate: bool = False  # run under accelerate (DDP/FSDP, training/distributed.py); on by itself under a launcher
-    stream: bool = False  # read the data as a stream (training/stream.py) instead of holding every example
-    shuffle_buffer: int = 10_000  # examples the stream shuffles among (--stream)
+    run: Path = field(default=Path("runs/train"), metadata=opt('run directory: checkpoints, log; resumes if present'))
+    model: str = field(default="bundled-base", metadata=opt('engine model spec of the AR base to adapt'))
+    recipe: str = field(default="full", metadata=opt(
+        'paper ablation: naive token shift / + pad to block boundary / + complementary masks', choices=RECIPES))
+    block_size: int = field(default=32, metadata=opt('diffusion block size'))
+    max_len: int = field(default=256, metadata=opt('prompt+answer tokens kept (multiple of block size)'))
+    answers: str = field(default="finish", metadata=opt(
+        'answers policy (training/finish.py): finish = every answer ends with its stop token (capped or over-'
+        'long ones cut at their last sentence end and closed, loops dropped); keep = the old rule (capped '
+        'kept without a stop token); drop = capped, over-long and looping dropped', choices=POLICIES))
+    rank: int = field(default=32, metadata=opt('LoRA rank (32; 64-128 for the GPU runs)'))
+    alpha: float = field(default=64.0, metadata=opt('LoRA alpha (scale = alpha / rank)'))
+    train_norms: bool = field(default=False, metadata=opt('also train the RMSNorm weights'))
+    lr: float = field(default=3e-4, metadata=opt('peak learning rate (AdamW)'))
+    weight_decay: float = field(default=0.0, metadata=opt('AdamW weight decay'))
+    warmup_steps: int = field(default=10, metadata=opt('linear warm-up steps'))
+    min_lr_ratio: float = field(default=0.1, metadata=opt('cosine decay floor, fraction of --lr'))
+    epochs: float = field(default=2.0, metadata=opt('passes over the data (sets the schedule length)'))
+    batch_size: int = field(default=4, metadata=opt('sequences per optimiser step'))
+    micro_batch: int | None = field(default=None, metadata=opt(
+        'sequences per forward (gradient accumulation over --batch-size); default: --batch-size'))
+    grad_clip: float = field(default=1.0, metadata=opt('gradient norm clip'))
+    bf16: bool = field(default=True, metadata=opt(
+        'no bf16 at all: fp32 weights and activations', flag="fp32", invert=True))
+    bf16_weights: bool = field(default=True, metadata=opt(
+        'keep the frozen base in fp32 under bf16 autocast (slower: recasts every weight each step)',
+        flag="fp32-weights", invert=True))
+    attention: str = field(default="auto", metadata=opt(
+        'recipe attention: auto = flex on CUDA, blockwise per-block SDPA for pad/full, dense mask otherwise',
+        choices=IMPLS))
+    mask_later: float = field(default=0.0, metadata=opt(
+        'noise bias in [0, 1]: mask later positions of each sub-block more often (0: uniform per block)'))
+    sub_block_size: int = field(default=8, metadata=opt('sub-block size that --mask-later ramps over'))
+    certainty_weight: float = field(default=0.0, metadata=opt(
+        'certainty forcing (dParallel): weight of the entropy of correctly predicted masked tokens'))
+    certainty_temperature: float = field(default=0.5, metadata=opt('softmax temperature of that entropy'))
+    export_to: Path | None = field(default=None, metadata=opt(
+        'at every checkpoint also write the adapter here in fp16 (split into parts if over --export-max-mib)'))
+    export_max_mib: float = field(default=16.0, metadata=opt('largest adapter file --export-to writes'))
+    seed: int = field(default=0, metadata=opt('seeds data order, masks and LoRA init'))
+    save_every_s: float = field(default=240.0, metadata=opt('checkpoint at least this often (seconds)'))
+    save_every_steps: int = field(default=0, metadata=opt('also checkpoint every N steps (0: off)'))
+    max_steps: int | None = field(default=None, metadata=opt('stop this process after this global step'))
+    minutes: float | None = field(default=None, metadata=opt('stop this process after this wall time (resume later)'))
+    limit: int | None = field(default=None, metadata=opt('use only the first N training examples'))
+    val_size: int = field(default=0, metadata=opt('hold out N examples; their loss is logged at each checkpoint'))
+    init_from: Path | None = field(default=None, metadata=opt(
+        "new run only: start from the adapter weights of this checkpoint (or a run directory's latest), or of"
+        ' an exported adapter file (.safetensors, e.g. the shipped one; LoRA read back from bf16); fresh '
+        'optimiser/schedule'))
+    full: bool = field(default=False, metadata=opt(
+        "full fine-tuning (every weight; the paper's setting) instead of LoRA; export with --merge-to"))
+    accelerate: bool = field(default=False, metadata=opt(
+        'run through accelerate (DDP/FSDP, bf16, accelerate checkpoints); implied under `accelerate '
+        'launch`/torchrun with more than one process (training/README.md)'))
+    stream: bool = field(default=False, metadata=opt(
+        'stream the data (one pass per epoch through a shuffle buffer) instead of loading it all'))
+    shuffle_buffer: int = field(default=10_000, metadata=opt('examples the --stream shuffle mixes'))
     progress: bool = True
     extra: dict = field(default_factory=dict)  # recorded in checkpoints and the adapter's metadata
 
     def __post_init__(self) -> None:
         if self.recipe not in RECIPES:
             raise ValueError(f"recipe must be one of {RECIPES} (got {self.recipe!r})")
-        from .finish import POLICIES
-
         if self.answers not in POLICIES:
             raise ValueError(f"answers must be one of {POLICIES} (got {self.answers!r})")
         if self.max_len % self.block_size:

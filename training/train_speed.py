@@ -18,6 +18,8 @@ from pathlib import Path
 
 import torch
 
+from .options import opt
+
 VARIANTS: dict[str, dict] = {
     "before": {"bf16_weights": False, "attention": "dense"},
     "bf16_weights": {"bf16_weights": True, "attention": "dense"},
@@ -30,15 +32,16 @@ VARIANTS: dict[str, dict] = {
 @dataclass
 class ThroughputConfig:
     data: Path
-    variants: list[str] = field(default_factory=lambda: ["before", "after"])
-    rounds: int = 3  # timed steps per variant, interleaved
-    warmup: int = 1
-    batch_size: int = 4
-    micro_batch: int | None = None
-    max_len: int = 256
-    rank: int = 32
+    variants: list[str] = field(default_factory=lambda: ["before", "after"])  # the CLI's --variants, split at commas
+    rounds: int = field(default=3, metadata=opt("timed steps per variant (interleaved)"))
+    warmup: int = field(default=1, metadata=opt("untimed steps per variant first"))
+    batch_size: int = field(default=4, metadata=opt("sequences per step"))
+    micro_batch: int | None = field(default=None, metadata=opt("sequences per forward"))
+    max_len: int = field(default=256, metadata=opt("tokens kept per sequence"))
+    rank: int = field(default=32, metadata=opt("LoRA rank"))
     model: str = "bundled-base"
-    profile: bool = False  # one more step per variant under torch.profiler: where the time goes
+    profile: bool = field(default=False, metadata=opt(
+        "add the top operators of one profiled step per variant (torch.profiler: where the time goes)"))
     out: Path | None = None
 
     def __post_init__(self) -> None:
