@@ -209,14 +209,21 @@ class PeakMemory:
     def peak_mb(self) -> float:
         if self.cuda:
             return torch.cuda.max_memory_allocated() / 2**20
-        hwm = _proc_status_mb("VmHWM")
-        if hwm is not None:
-            return hwm
-        import resource
+        if _proc_status_mb("VmHWM") is None:
+            self.kind = "rss_peak_process"
+        return peak_rss_mb()
 
-        self.kind = "rss_peak_process"
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # bytes on macOS, KiB elsewhere
-        return peak / 2**20 if sys.platform == "darwin" else peak / 1024
+
+def peak_rss_mb() -> float:
+    """This process's peak RSS in MiB: VmHWM where there is procfs (ru_maxrss elsewhere; on Linux ru_maxrss also
+    holds the parent's RSS at fork, carried across exec)."""
+    hwm = _proc_status_mb("VmHWM")
+    if hwm is not None:
+        return hwm
+    import resource
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # bytes on macOS, KiB elsewhere
+    return peak / 2**20 if sys.platform == "darwin" else peak / 1024
 
 
 def median_index(values: list[float]) -> int:

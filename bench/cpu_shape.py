@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import subprocess
 import sys
 import tempfile
@@ -25,7 +24,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .common import parse_list, write_json
+from .common import parse_list, peak_rss_mb, write_json
 
 BLOCK, SUB = 32, 8
 
@@ -54,7 +53,9 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
         s = eng.generate_ids([ids], cfg)[0].summary
         out["ar"] = {"tokens": len(s.token_ids), "seconds": time.perf_counter() - t}
         out["ar"]["tok_s"] = out["ar"]["tokens"] / out["ar"]["seconds"]
-    out["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    # VmHWM: this process's own peak. ru_maxrss is not: Linux carries the parent's RSS at fork into it across exec,
+    # so a parent that had just written the random checkpoint made every child report its 7 GB
+    out["peak_rss_mb"] = peak_rss_mb()
     return out
 
 

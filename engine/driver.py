@@ -98,6 +98,11 @@ class Driver:
         return self.scheduler.waiting
 
     @property
+    def alive(self) -> bool:
+        """The decoding thread runs and the driver takes requests (what a health check asks)."""
+        return self._worker.is_alive() and not self._closed
+
+    @property
     def max_batch(self) -> int:
         return self.scheduler.max_batch
 

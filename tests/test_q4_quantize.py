@@ -61,7 +61,8 @@ def test_a_checkpoint_dequantised_from_the_gguf_decodes_with_the_gguf_paths_toke
     assert "quantised at load" in first.lm.info["quantised"] and first.lm.info["weights"] == "int4+bf16"
     again = Engine.load(str(local), device="cpu")
     assert "from the cache" in again.lm.info["quantised"]
-    assert len(list((tmp_path / "cache" / "q4").glob("*.safetensors"))) == 1
+    (cache,) = (tmp_path / "cache" / "q4").iterdir()  # one directory: a file per layer (written as made), then the rows
+    assert sorted(p.name for p in cache.iterdir()) == ["embed.safetensors"] + [f"layer{i:03d}.safetensors" for i in range(30)]
     for prompt in PROMPTS:
         p = gguf.chat_prompt([{"role": "user", "content": prompt}])
         cfg = gguf.decode_config(mode="ar", max_new_tokens=24)

@@ -479,6 +479,23 @@ def test_block_cache_reads_back_what_was_parsed(tiny_gguf, tmp_path):
     back = gguf_blocks.load_blocks(tmp_path / "head.safetensors")
     assert torch.equal(back.head_q, head_q) and torch.equal(back.head_d, head_d) and back.head_d.dtype == torch.float32
     assert sorted(back.q4) == sorted(w.q4) and torch.equal(back.embed_q, w.embed_q)
+    # a cache directory (a file per layer, the rows in another, as engine/weights/q4_quantize.py writes): the same
+    # blocks, each projection read from its own file; a directory without the rows is refused by name
+    split = tmp_path / "split"
+    split.mkdir()
+    names = sorted(w.q4)
+    gguf_blocks.save_blocks(quant.GGUFWeights({n: w.q4[n] for n in names[:5]}, w.embed_q, w.embed_d, head_q, head_d),
+                            split / "embed.safetensors")
+    from safetensors.torch import save_file
+
+    save_file(gguf_blocks.block_tensors({n: w.q4[n] for n in names[5:]}), str(split / "layer001.safetensors"))
+    both = gguf_blocks.load_blocks(split)
+    assert sorted(both.q4) == names and torch.equal(both.head_q, head_q) and torch.equal(both.embed_q, w.embed_q)
+    assert both.q4.where[names[0]].name == "embed.safetensors" and both.q4.where[names[-1]].name == "layer001.safetensors"
+    assert all(torch.equal(both.q4[n].dequantize(), expected[n]) for n in names)
+    (split / "embed.safetensors").unlink()
+    with pytest.raises(ValueError, match="holds no embedding"):
+        gguf_blocks.load_blocks(split)
 
 
 def _small_blocks(n: int = 16, k: int = 128, seed: int = 0) -> quant.Q4Blocks:

@@ -80,9 +80,7 @@ def create_app(engine: Engine, scheduler: Driver, model_id: str | None = None, *
     @app.get("/health")
     async def health() -> JSONResponse:
         """200 while the model is loaded and the scheduler's decoding thread runs; 503 otherwise."""
-        worker = getattr(scheduler, "_worker", None)
-        alive = worker is not None and worker.is_alive() and not getattr(scheduler, "_closed", False)
-        if not alive:
+        if not scheduler.alive:
             raise ApiError(503, "the scheduler's decoding thread is not running")
         return JSONResponse({"status": "ok", "model": model_id, "running_rows": scheduler.running,
                              "queue_length": len(scheduler.waiting)})

@@ -99,55 +99,69 @@ def read_gguf(path: Path, n_head: int, n_kv_head: int) -> GGUFWeights:
     return GGUFWeights(q4, *embed)
 
 
+def block_tensors(q4: Mapping[str, Q4Blocks], embed: tuple[Tensor, Tensor] | None = None,
+                  head: tuple[Tensor | None, Tensor | None] = (None, None)) -> dict[str, Tensor]:
+    """The cache file's tensors (d and m as fp16, as a GGUF stores them: exact)."""
+    t: dict[str, Tensor] = {}
+    if embed is not None:
+        t.update({"embed.q": embed[0], "embed.d": embed[1].half()})
+    if head[0] is not None:
+        t.update({"head.q": head[0], "head.d": head[1].half()})
+    for n, b in q4.items():
+        t.update({n + ".q": b.q.contiguous(), n + ".d": b.d.half(), n + ".m": b.m.half()})
+    return t
+
+
 def save_blocks(w: GGUFWeights, cache: Path) -> None:
-    """Write the blocks (d and m as fp16, as a GGUF stores them: exact) atomically."""
+    """Write the blocks to one file, atomically."""
     from safetensors.torch import save_file
 
-    t = {"embed.q": w.embed_q, "embed.d": w.embed_d.half()}
-    if w.head_q is not None:
-        t.update({"head.q": w.head_q, "head.d": w.head_d.half()})
-    for n, b in w.q4.items():
-        t.update({n + ".q": b.q.contiguous(), n + ".d": b.d.half(), n + ".m": b.m.half()})
     cache.parent.mkdir(parents=True, exist_ok=True)
     tmp = cache.with_name(cache.name + f".tmp{os.getpid()}")
-    save_file(t, str(tmp))
+    save_file(block_tensors(w.q4, (w.embed_q, w.embed_d), (w.head_q, w.head_d)), str(tmp))
     tmp.replace(cache)
 
 
 class CachedBlocks(Mapping[str, Q4Blocks]):
-    """The Q4 blocks of a cache file by name, each read when asked for (the file opened and closed around it), so
+    """The Q4 blocks of cache files by name, each read when asked for (its file opened and closed around it), so
     assembling a model holds one projection's unpacked planes at a time, not the file (at Qwen2.5-1.5B's shape a
-    mapped file kept 1.3 GB of touched pages in RSS until the last block was packed)."""
+    mapped file kept 1.3 GB of touched pages in RSS until the last block was packed). `where`: name -> file."""
 
-    def __init__(self, cache: Path, names: list[str]):
-        self.cache, self.names = cache, names
+    def __init__(self, where: Mapping[str, Path]):
+        self.where = dict(where)
 
     def __getitem__(self, name: str) -> Q4Blocks:
         from safetensors import safe_open
 
-        if name not in self.names:
-            raise KeyError(name)
-        with safe_open(str(self.cache), "pt") as f:
+        with safe_open(str(self.where[name]), "pt") as f:
             return Q4Blocks(f.get_tensor(name + ".q"), f.get_tensor(name + ".d").float(), f.get_tensor(name + ".m").float())
 
     def __iter__(self) -> Iterator[str]:
-        return iter(self.names)
+        return iter(sorted(self.where))
 
     def __len__(self) -> int:
-        return len(self.names)
+        return len(self.where)
 
 
 def load_blocks(cache: Path) -> GGUFWeights:
-    """A cache file's blocks: the Q8 rows read now, the Q4 blocks on use (CachedBlocks)."""
+    """A cache's blocks: the Q8 rows read now, the Q4 blocks on use (CachedBlocks). `cache` is one file (save_blocks)
+    or a directory of files (engine/weights/q4_quantize.py writes one per layer, then the Q8 rows in `embed.safetensors`)."""
     from safetensors import safe_open
 
-    with safe_open(str(cache), "pt") as f:
-        keys = list(f.keys())
-        # copied out: a tensor the model keeps must not pin the file's mapping (and every page read through it)
-        embed = (f.get_tensor("embed.q").clone(), f.get_tensor("embed.d").float())
-        head = (f.get_tensor("head.q").clone(), f.get_tensor("head.d").float()) if "head.q" in keys else (None, None)
-    names = sorted({k.rsplit(".", 1)[0] for k in keys if k.startswith("model.")})
-    return GGUFWeights(CachedBlocks(cache, names), *embed, *head)
+    files = sorted(cache.glob("*.safetensors")) if cache.is_dir() else [cache]
+    where: dict[str, Path] = {}
+    embed = head = (None, None)
+    for path in files:
+        with safe_open(str(path), "pt") as f:
+            keys = list(f.keys())
+            where.update({k.rsplit(".", 1)[0]: path for k in keys if k.startswith("model.")})
+            if "embed.q" in keys:  # copied out: a kept tensor must not pin the file's mapping (and every page read)
+                embed = (f.get_tensor("embed.q").clone(), f.get_tensor("embed.d").float())
+            if "head.q" in keys:
+                head = (f.get_tensor("head.q").clone(), f.get_tensor("head.d").float())
+    if embed[0] is None:
+        raise ValueError(f"model: the 4-bit cache {cache} holds no embedding (delete it to rebuild it)")
+    return GGUFWeights(CachedBlocks(where), *embed, *head)
 
 
 def cached_gguf(path: Path, n_head: int, n_kv_head: int, cache: Path) -> GGUFWeights:

@@ -7,21 +7,26 @@ re-quantising a GGUF's dequantised weights gives back its blocks bit for bit (te
 checkpoint dequantised from a GGUF decodes with the GGUF path's tokens.
 
 Peak memory: tensors are read one at a time from the safetensors files, which are reopened per layer so the pages
-already read are unmapped; no dense model is ever built. Biases and norms stay as stored (engine/weights/quant.py).
+already read are unmapped, and each layer's blocks go to a cache file of their own as soon as they are made; no dense
+model is ever built and the first load never holds every block (the model is then assembled from the cache, as on a
+later load). Biases and norms stay as stored (engine/weights/quant.py).
 """
 from __future__ import annotations
 
 import hashlib
 import json
+import os
+import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 from torch import Tensor
 
-from .gguf import GGUF_NAMES, GROUP, GGUFWeights, Q4Blocks, load_blocks, save_blocks
+from .gguf import GGUF_NAMES, GROUP, GGUFWeights, Q4Blocks, block_tensors, load_blocks
 
-FORMAT = "fastdllm-q4-v1"  # bump when the rounding or the layout below changes: old caches are then ignored
+FORMAT = "fastdllm-q4-v2"  # bump when the rounding or the layout below changes: old caches are then ignored
 PROJECTIONS = tuple(GGUF_NAMES.values())
 CHUNK_ROWS = 8192  # rows quantised at a time  # self_attn.q_proj ... mlp.down_proj
 
@@ -85,24 +90,54 @@ def quantized_names(files: dict[str, Path]) -> set[str]:
     return q | {n for n in ("model.embed_tokens.weight", "lm_head.weight") if n in files}
 
 
-def quantize_checkpoint(path: Path, num_layers: int, tied: bool) -> GGUFWeights:
-    """The checkpoint's projections as Q4_1 and its embedding (and untied head) as Q8_0, layer by layer."""
+Rows = tuple[Tensor, Tensor, Tensor | None, Tensor | None]  # Q8_0 embedding q, d, and an untied head's (or None)
+
+
+def _parts(path: Path, num_layers: int, tied: bool) -> Iterator[tuple[str, dict[str, Q4Blocks], Rows | None]]:
+    """The checkpoint's projections as Q4_1 one layer at a time, then its embedding (and untied head) as Q8_0:
+    (name, Q4 blocks, Q8 rows) per part, each made when asked for."""
     files = weight_files(path)
-    q4: dict[str, Q4Blocks] = {}
     for i in range(num_layers):
         names = [f"model.layers.{i}.{p}.weight" for p in PROJECTIONS]
         missing = [n for n in names if n not in files]
         if missing:
             raise ValueError(f"model: checkpoint {path} lacks {missing[:3]}")
-        for n, t in _read(files, names).items():
-            q4[n[: -len(".weight")]] = quantize_q4_1(t)
-    embed_q, embed_d = quantize_q8_0(_read(files, ["model.embed_tokens.weight"])["model.embed_tokens.weight"])
-    head = None
+        yield f"layer{i:03d}", {n[: -len(".weight")]: quantize_q4_1(t) for n, t in _read(files, names).items()}, None
+    embed = quantize_q8_0(_read(files, ["model.embed_tokens.weight"])["model.embed_tokens.weight"])
+    head: tuple[Tensor | None, Tensor | None] = (None, None)
     if not tied:
         if "lm_head.weight" not in files:
             raise ValueError(f"model: checkpoint {path} has an untied head but no lm_head.weight")
         head = quantize_q8_0(_read(files, ["lm_head.weight"])["lm_head.weight"])
-    return GGUFWeights(q4, embed_q, embed_d, *(head or (None, None)))
+    yield "embed", {}, (*embed, *head)
+
+
+def quantize_checkpoint(path: Path, num_layers: int, tied: bool) -> GGUFWeights:
+    """The whole checkpoint's blocks in memory (tests; a load streams them to the cache instead: write_cache)."""
+    q4: dict[str, Q4Blocks] = {}
+    rows: Rows | None = None
+    for _, blocks, rows in _parts(path, num_layers, tied):
+        q4.update(blocks)
+    assert rows is not None
+    return GGUFWeights(q4, *rows)
+
+
+def write_cache(path: Path, num_layers: int, tied: bool, cache: Path) -> None:
+    """Quantise into a cache directory, one safetensors file per layer written as it is made (the first load's peak
+    memory is one layer's temporaries, not the whole model's blocks), then renamed into place in one step."""
+    from safetensors.torch import save_file
+
+    tmp = cache.with_name(cache.name + f".tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    for name, blocks, rows in _parts(path, num_layers, tied):
+        embed, head = (rows[:2], rows[2:]) if rows is not None else (None, (None, None))
+        save_file(block_tensors(blocks, embed, head), str(tmp / f"{name}.safetensors"))
+        del blocks, rows
+    try:
+        tmp.rename(cache)
+    except OSError:  # another process wrote the same cache first: keep theirs
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def cache_key(path: Path) -> str:
@@ -115,11 +150,11 @@ def cache_key(path: Path) -> str:
 
 
 def cached_checkpoint(path: Path, num_layers: int, tied: bool, cache_root: Path) -> tuple[GGUFWeights, bool]:
-    """quantize_checkpoint, memoised under cache_root/q4/; also says whether the cache answered."""
-    cache = cache_root / "q4" / f"{path.resolve().name}-{cache_key(path)}.safetensors"
-    if cache.exists():
+    """The checkpoint's blocks, quantised once into cache_root/q4/ (write_cache); also says whether the cache answered."""
+    cache = cache_root / "q4" / f"{path.resolve().name}-{cache_key(path)}"
+    if cache.is_dir():
         return load_blocks(cache), True
-    save_blocks(quantize_checkpoint(path, num_layers, tied), cache)
+    write_cache(path, num_layers, tied, cache)
     from . import packing
 
     packing.release_freed_memory()  # the quantisation's temporaries; then the blocks come back mapped, as cached ones
