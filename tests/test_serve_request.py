@@ -313,7 +313,10 @@ def test_api_errors_are_cut_and_answer_in_the_openai_shape():
 
 
 def test_nesting_depth():
-    assert [_depth(v) for v in ("xy", [], {}, [1, "a"], {"a": 1})] == [0, 1, 1, 1, 1]
+    # a bare scalar body (JSON 5, null, true, 1.5, "xy") nests 0 levels: no TypeError from iterating it, so the
+    # server's "must be a JSON object" 400 stays the answer whichever check runs first
+    assert [_depth(v) for v in (5, None, True, 1.5, "xy", "")] == [0, 0, 0, 0, 0, 0]
+    assert [_depth(v) for v in ([], {}, [1, "a"], {"a": 1})] == [1, 1, 1, 1]
     assert [_depth(v) for v in ([[]], {"a": [1]}, [{"a": {"b": []}}], [[], [[[]]], []])] == [2, 2, 4, 4]
     assert _depth({"a": [{"b": 1}], "c": [[[[1]]]]}) == 5
     deep = json.loads("[" * 500 + "]" * 500)
