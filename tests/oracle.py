@@ -31,6 +31,12 @@ class OracleRun:
     steps: list[tuple[str, list[tuple[int, int]]]] = field(default_factory=list)  # (kind, [(answer pos, token)])
     answer: list[int] = field(default_factory=list)  # through the stop token
     stop_reason: str = ""
+    # per step, what a listener's Event shows beside the commits: (block index, sub-block index; -1 for a block's
+    # first position), each commit's confidence, and the heatmap: [(answer pos, best token, confidence)] of the
+    # positions the step scored and left masked (its sub-block's; a whole-block forward also the rest of the block)
+    where: list[tuple[int, int]] = field(default_factory=list)
+    confs: list[list[float]] = field(default_factory=list)
+    masked: list[list[tuple[int, int, float]]] = field(default_factory=list)
 
 
 def commit_rule(conf: list[float], strategy: str, threshold: float, factor: float) -> list[bool]:
@@ -65,7 +71,9 @@ def _greedy(logits: torch.Tensor, mask_id: int) -> tuple[int, float]:
 class _Row:
     """One sequence's state; step() runs one forward for it."""
 
-    def __init__(self, model, prompt, mask_id, stop_ids, bs, sbs, threshold, strategy, factor, max_new_tokens, cache):
+    def __init__(self, model, prompt, mask_id, stop_ids, bs, sbs, threshold, strategy, factor, max_new_tokens, cache,
+                 stop_guard=False):
+        self.stop_guard = stop_guard
         self.model, self.mask_id, self.stop_ids, self.bs, self.sbs = model, mask_id, set(stop_ids), bs, sbs
         self.rule, self.cache = (strategy, threshold, factor), cache
         self.plen, self.limit = len(prompt), len(prompt) + max_new_tokens
@@ -76,6 +84,7 @@ class _Row:
         self.stop_at: int | None = None
         self.kv = None
         self.refreshed = None  # dual: (block start, sub-block) whose whole-block K/V were last written to kv
+        self.confs: list[list[float]] = []
         self.run = OracleRun()
 
     def masked(self) -> list[int]:
@@ -93,7 +102,8 @@ class _Row:
         k = (q0 - start) // self.sbs
         return "sub" if self.cache == "dual" and self.refreshed == (start, k) else "full"
 
-    def _commit(self, q: int, tok: int, out: list) -> None:
+    def _commit(self, q: int, tok: int, out: list, conf: float = 1.0) -> None:
+        self.confs[-1].append(conf)
         self.seq[0, q] = tok
         self.known[q] = True
         out.append((q - self.plen, tok))
@@ -120,15 +130,19 @@ class _Row:
         bs, sbs = self.bs, self.sbs
         q0 = self.masked()[0]
         start = q0 // bs * bs
-        kind, out = self.plan(), []
+        kind, out, shown = self.plan(), [], []
+        self.confs.append([])
         if kind == "first":
-            tok, _ = _greedy(self._full_forward(q0)[q0 - 1], self.mask_id)
-            self._commit(q0, tok, out)
+            tok, conf = _greedy(self._full_forward(q0)[q0 - 1], self.mask_id)
+            self._commit(q0, tok, out, conf)
             self.refreshed = None
+            self.run.where.append((q0 // bs, -1 if self.run.steps else 0))
         else:
             k = (q0 - start) // sbs
             lo = start + k * sbs
             cand = [q for q in self.masked() if lo <= q < lo + sbs]
+            rest = [q for q in self.masked() if lo + sbs <= q < start + bs]  # the heatmap's rest of the block
+            self.run.where.append((start // bs, k))
             if kind == "sub":  # only the window [lo - 1, lo + sbs), over stale block K/V
                 a, b = self.window()
                 logits = self.model(self.seq[:, a:b], torch.arange(a, b)[None], self.kv, start=a, kv_len=start + bs)[0]
@@ -137,12 +151,19 @@ class _Row:
                 logits = self._full_forward(start + bs)
                 self.refreshed = (start, k)
                 picks = [_greedy(logits[q - 1], self.mask_id) for q in cand]
-            chosen = commit_rule([c for _, c in picks], *self.rule)
-            for q, (tok, _), yes in zip(cand, picks, chosen):
+                shown = [(q - self.plen, *_greedy(logits[q - 1], self.mask_id)) for q in rest]
+            # stop guard (the engine's option, not the paper's): candidates end at the first predicted stop token
+            n = next((j + 1 for j, (tok, _) in enumerate(picks) if tok in self.stop_ids), len(picks)) \
+                if self.stop_guard else len(picks)
+            chosen = commit_rule([c for _, c in picks[:n]], *self.rule) + [False] * (len(picks) - n)
+            for q, (tok, conf), yes in zip(cand, picks, chosen):
                 if yes:
-                    self._commit(q, tok, out)
+                    self._commit(q, tok, out, conf)
+            shown = [(q - self.plen, tok, conf) for q, (tok, conf), yes in zip(cand, picks, chosen) if not yes] + shown
         label = "prefill" if not self.run.steps else ("commit" if kind == "first" else "step")
         self.run.steps.append((label, out))
+        self.run.confs.append(self.confs[-1])
+        self.run.masked.append(shown)
         if not self.masked():
             end = self.limit if self.stop_at is None else self.stop_at + 1
             self.run.answer = [int(t) for t in self.seq[0, self.plen:end]]
@@ -152,14 +173,14 @@ class _Row:
 @torch.inference_mode()
 def decode(model, prompts: list[list[int]], *, mask_id: int, stop_ids, block_size: int = 32, sub_block_size: int = 8,
            threshold: float = 0.9, strategy: str = "threshold", factor: float = 1.0, max_new_tokens: int = 32,
-           cache: str = "none") -> list[OracleRun]:
+           cache: str = "none", stop_guard: bool = False) -> list[OracleRun]:
     """Decode prompts; one OracleRun each, every row alone (a batch must decode each row as it would alone: the
     engine's caches are tested against this, in batches). cache "none": each step from scratch (the engine's
     "none" and "block" caches must match it exactly). cache "dual": a step that does not start a sub-block runs
     only the window [lo - 1, lo + sub_block_size) over the K/V its sub-block's first (whole-block) step wrote, so
     the rest of the block's K/V are stale."""
     rows = [_Row(model, p, mask_id, stop_ids, block_size, sub_block_size, threshold, strategy, factor,
-                 max_new_tokens, cache) for p in prompts]
+                 max_new_tokens, cache, stop_guard) for p in prompts]
     for r in rows:
         while r.masked():
             r.step()

@@ -10,6 +10,9 @@ on the bundled model in test_serve.py and test_serve_surface.py.
 from __future__ import annotations
 
 import json
+import os
+import tempfile
+from pathlib import Path
 
 import pytest
 from transformers import AutoTokenizer  # noqa: F401  (imported at collection, before the engines load)
@@ -24,10 +27,29 @@ KNOBS_LIST = ("mode, block_size, sub_block_size, threshold, strategy, factor, ca
               "presence_penalty, repetition_penalty, no_repeat_ngram_size")
 
 
+PRELOADED: dict[str, Engine] = {}
+if os.environ.get("FASTDLLM_TEST_PRELOAD"):
+    # scripts/mutation.sh sets this: mutmut forks every mutant's run from a server that has only collected the tests,
+    # so engines built here, at collection, are built once for the whole run instead of once per mutant (~3 s each).
+    # One torch thread first: a process forked after torch started a thread pool can deadlock.
+    import torch
+
+    torch.set_num_threads(1)
+    for _name, _mask in (("tiny-dllm", True), ("tiny-ar", False)):
+        _dir = Path(tempfile.mkdtemp(prefix="serve_request_")) / _name
+        PRELOADED[_name] = Engine.load(str(build_fast_dllm_checkpoint(_dir, mask=_mask)))
+
+
+def _tiny_engine(tmp_path_factory, name: str, mask: bool) -> Engine:
+    if name in PRELOADED:
+        return PRELOADED[name]
+    return Engine.load(str(build_fast_dllm_checkpoint(tmp_path_factory.mktemp(name) / name, mask=mask)))
+
+
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
     """A tiny dLLM: block diffusion by default, |<MASK>| one of its ids."""
-    eng = Engine.load(str(build_fast_dllm_checkpoint(tmp_path_factory.mktemp("serve_dllm") / "tiny-dllm")))
+    eng = _tiny_engine(tmp_path_factory, "tiny-dllm", True)
     assert eng.can_diffuse and eng.lm.name == "tiny-dllm"
     return eng
 
@@ -35,7 +57,7 @@ def engine(tmp_path_factory):
 @pytest.fixture(scope="module")
 def ar_engine(tmp_path_factory):
     """A tiny model without a mask token: AR only."""
-    eng = Engine.load(str(build_fast_dllm_checkpoint(tmp_path_factory.mktemp("serve_ar") / "tiny-ar", mask=False)))
+    eng = _tiny_engine(tmp_path_factory, "tiny-ar", False)
     assert not eng.can_diffuse
     return eng
 
@@ -313,7 +335,10 @@ def test_api_errors_are_cut_and_answer_in_the_openai_shape():
 
 
 def test_nesting_depth():
-    assert [_depth(v) for v in ("xy", [], {}, [1, "a"], {"a": 1})] == [0, 1, 1, 1, 1]
+    # a bare scalar body (JSON 5, null, true, 1.5, "xy") nests 0 levels: no TypeError from iterating it, so the
+    # server's "must be a JSON object" 400 stays the answer whichever check runs first
+    assert [_depth(v) for v in (5, None, True, 1.5, "xy", "")] == [0, 0, 0, 0, 0, 0]
+    assert [_depth(v) for v in ([], {}, [1, "a"], {"a": 1})] == [1, 1, 1, 1]
     assert [_depth(v) for v in ([[]], {"a": [1]}, [{"a": {"b": []}}], [[], [[[]]], []])] == [2, 2, 4, 4]
     assert _depth({"a": [{"b": 1}], "c": [[[[1]]]]}) == 5
     deep = json.loads("[" * 500 + "]" * 500)

@@ -230,7 +230,10 @@ def _token_ids(ids: list[int], engine: Engine) -> list[int]:
 
 
 def _depth(obj: Any) -> int:
-    """How deeply lists and objects nest (iteratively: no recursion on what a client sent)."""
+    """How deeply lists and objects nest (iteratively: no recursion on what a client sent); a scalar (a string, a
+    number, true/false, null) nests 0 levels."""
+    if not isinstance(obj, (dict, list)):
+        return 0
     deepest, stack = 0, [(obj, 1)]
     while stack:
         o, d = stack.pop()
@@ -238,5 +241,5 @@ def _depth(obj: Any) -> int:
         if d > MAX_JSON_DEPTH:
             break
         stack += [(x, d + 1) for x in (o.values() if isinstance(o, dict) else o) if isinstance(x, (dict, list))]
-    return deepest if isinstance(obj, (dict, list)) else 0
+    return deepest
 
