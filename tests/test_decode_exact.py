@@ -382,8 +382,8 @@ def test_sampled_confidences_are_the_tempered_nucleus_and_rows_reproduce(mode):
 
 
 # ------------------------------------------------------------------ repetition knobs, per row
-KNOBS = [Penalties(), Penalties(repetition=1.5), Penalties(frequency=0.8, presence=0.6), Penalties(no_repeat_ngram=2),
-         Penalties(repetition=1.3, no_repeat_ngram=3)]
+KNOBS = [Penalties(), Penalties(repetition=1.5), Penalties(frequency=0.8, presence=0.6), Penalties(no_repeat_ngram=1),
+         Penalties(repetition=1.3, no_repeat_ngram=2)]  # n = 1: no token of prompt or answer twice (bans bite)
 
 
 def test_ar_rows_with_different_knobs_equal_greedy_with_the_knobs():
@@ -666,3 +666,33 @@ def test_a_prefill_chunk_is_one_forward_of_its_positions_with_one_logit_row(mode
     width = 5 if mode == "ar" else 8  # AR: the prompt's last 5 tokens; diffusion: its partial block 32..40
     assert calls[:3] == [((1, 16), 0, 0, 16, (1, 1)), ((1, 16), 16, 16, 32, (1, 1)),
                          ((1, width), 32, 32, 37 if mode == "ar" else 40, (1, 1 if mode == "ar" else 3))]
+
+
+def test_ar_forwards_take_the_shared_start_path_only_when_rows_agree(monkeypatch):
+    """The AR forwards' arguments: rows at one position share a slice write (start) and no mask (causal prefill);
+    rows at different positions get per-row causal key masks; a shared prefix is one 1-row forward of it."""
+    seed = 2
+    model = tiny(seed)
+    calls = []
+    real = type(model).forward
+
+    def spy(self, ids, pos, cache=None, **kw):
+        out = real(self, ids, pos, cache, **kw)
+        m = kw.get("mask")
+        calls.append((tuple(ids.shape), kw.get("start"), kw.get("kv_len"), kw.get("causal"),
+                      None if m is None else tuple(m.shape), tuple(out.shape[:2])))
+        return out
+
+    monkeypatch.setattr(type(model), "forward", spy)
+    cfg = DecodeConfig(mode="ar", max_new_tokens=3, stop_token_ids=()).validate()
+    head = prompts_of(seed, (16,))[0]
+    for prompts, want in (
+            ([[1, 2, 3], [4, 5, 6]], [((2, 3), 0, 3, True, None, (2, 1)), ((2, 1), 3, 4, None, None, (2, 1)),
+                                      ((2, 1), 4, 5, None, None, (2, 1))]),
+            ([[1, 2, 3], [4, 5]], [((2, 3), 0, 3, False, (2, 1, 3, 3), (2, 1)), ((2, 1), None, 4, None, (2, 1, 1, 4), (2, 1)),
+                                   ((2, 1), None, 5, None, (2, 1, 1, 5), (2, 1))]),
+            ([head + [1], head + [2, 3]], [((1, 16), 0, 16, True, None, (1, 1)),
+                                           ((2, 2), 16, 18, False, (2, 1, 2, 18), (2, 1))])):
+        calls.clear()
+        drive(decoder_for(model, cfg, MASK, TB), prompts)
+        assert calls[:len(want)] == want, prompts
