@@ -28,7 +28,7 @@ KNOBS_LIST = ("mode, block_size, sub_block_size, threshold, strategy, factor, ca
 
 
 PRELOADED: dict[str, Engine] = {}
-if os.environ.get("FASTDLLM_TEST_PRELOAD"):
+if os.environ.get("PRELOAD_TEST_ENGINES"):
     # scripts/mutation.sh sets this: mutmut forks every mutant's run from a server that has only collected the tests,
     # so engines built here, at collection, are built once for the whole run instead of once per mutant (~3 s each).
     # One torch thread first: a process forked after torch started a thread pool can deadlock.
