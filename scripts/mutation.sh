@@ -12,7 +12,7 @@ PY=$ROOT/.venv/bin/python
 export FASTDLLM_THREADS=${FASTDLLM_THREADS:-1} TOKENIZERS_PARALLELISM=false FASTDLLM_WEIGHTS=fp32
 # test modules that build engines or models may build them at collection (once in mutmut's fork server) instead of
 # once per mutant: tests/test_serve_request.py
-export MUTATION_PRELOAD=1
+export PRELOAD_TEST_ENGINES=1
 # our CPU kernels (engine/weights/csrc) built once for the scratch copies, apart from the shared ~/.cache build that other
 # checkouts rebuild for their own source paths
 export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-$ROOT/runs/torch_extensions}

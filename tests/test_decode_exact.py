@@ -382,8 +382,8 @@ def test_sampled_confidences_are_the_tempered_nucleus_and_rows_reproduce(mode):
 
 
 # ------------------------------------------------------------------ repetition knobs, per row
-KNOBS = [Penalties(), Penalties(repetition=1.5), Penalties(frequency=0.8, presence=0.6), Penalties(no_repeat_ngram=2),
-         Penalties(repetition=1.3, no_repeat_ngram=3)]
+KNOBS = [Penalties(), Penalties(repetition=1.5), Penalties(frequency=0.8, presence=0.6), Penalties(no_repeat_ngram=1),
+         Penalties(repetition=1.3, no_repeat_ngram=2)]  # n = 1: no token of prompt or answer twice (bans bite)
 
 
 def test_ar_rows_with_different_knobs_equal_greedy_with_the_knobs():
@@ -471,7 +471,7 @@ def test_rows_joining_a_running_batch_and_a_row_cancelled_alone_decode_as_alone(
     ends 'cancelled' with its committed prefix."""
     seed = 1
     model = tiny(seed)
-    first, later = prompts_of(seed, (5, 11)), prompts_of(seed, (8, 3))
+    first, later = prompts_of(seed, (23, 11)), prompts_of(seed, (8, 3))  # row 0's room (56) is longer than 2's, 3's (32)
     cfg = DecodeConfig(mode=mode, block_size=8, sub_block_size=4, threshold=0.6, cache=cache, max_new_tokens=18,
                        stop_token_ids=(frequent(seed)[1],)).validate()
     log, mine = Log(), Log()
@@ -592,3 +592,107 @@ def test_the_static_stepper_decodes_as_the_model_forward(mode, cache):
         a, b = ([(e.kind, e.block, e.sub_block, [(t.pos, t.id) for t in e.committed],
                   [(t.pos, t.id) for t in e.masked]) for e in lg.by_row[i]] for lg in logs)
         assert a == b, f"row {i}"
+
+
+# ------------------------------------------------------------------ pieces the decodes above reach too rarely
+def test_a_steps_commits_are_accepted_most_confident_first_without_repeating_an_ngram():
+    """no_repeat_ngram_size inside one step: commits in order of confidence; one that forms a repeated n-gram with
+    those already accepted stays masked; the most confident is always accepted (its bans made it safe)."""
+    from engine.penalties import NgramIndex
+
+    def keep(qs, toks, confs, prompt=(1, 2)):
+        r = Row(0, len(prompt), 8, None, [None] * 6, ngrams=NgramIndex(2, list(prompt), 8))
+        out = DiffusionDecoder._no_new_repeats(r, qs, toks, confs, [True] * len(qs))
+        return out, r.ngrams.tok
+
+    # (1, 2) is the prompt's bigram: 1 at 2 beside 2 at 3 repeats it; 7 at 5 forms nothing
+    assert keep([2, 3, 5], [1, 2, 7], [0.7, 0.9, 0.5]) == ([False, True, True], [1, 2, None, 2, None, 7, None, None])
+    assert keep([2, 3, 5], [1, 2, 7], [0.9, 0.7, 0.5]) == ([True, False, True], [1, 2, 1, None, None, 7, None, None])
+    assert keep([2, 3, 5], [1, 2, 7], [0.5, 0.9, 0.7]) == ([False, True, True], [1, 2, None, 2, None, 7, None, None])
+    # the most confident is accepted even where it would repeat an n-gram: (1, 2) again at 2..3
+    assert keep([3], [2], [0.9], prompt=(1, 2, 1)) == ([True], [1, 2, 1, 2, None, None, None, None])
+    r = Row(0, 2, 8, None, [None] * 6, ngrams=NgramIndex(2, [1, 2], 8))
+    assert DiffusionDecoder._no_new_repeats(r, [2, 3], [1, 2], [0.9, 0.7], [False, True]) == [False, True]
+
+
+def test_the_answer_so_far_ends_at_the_earliest_stop_token():
+    """What the repetition penalties count: committed answer tokens in any order (gaps skipped) through the
+    earliest committed stop token, never past it."""
+    r = Row(0, 10, 16, None, [5, None, 7, 99, 9, None])
+    assert Decoder._answer_so_far(r) == [5, 7, 99, 9]
+    r.stop_at = 13  # the 99 at answer position 3
+    assert Decoder._answer_so_far(r) == [5, 7, 99]
+    r.stop_at = 10
+    assert Decoder._answer_so_far(r) == [5]
+
+
+def test_run_passes_each_rows_knobs():
+    seed = 2
+    model, prompts = tiny(seed), prompts_of(seed, (6, 9))
+    for mode in ("ar", "diffusion"):
+        cfg = replace(diffusion_cfg(seed, "block", 8, 4, threshold=0.3, max_new=12), mode=mode)
+        knobs = [Penalties(frequency=2.0, presence=2.0), Penalties(repetition=2.0)]
+        got = decoder_for(model, cfg, MASK, TB).run(prompts, penalties=knobs)
+        dec = decoder_for(model, cfg, MASK, TB)
+        want = drive(dec, prompts, dec.new_rows(prompts, penalties=knobs))
+        plain = decoder_for(model, cfg, MASK, TB).run(prompts)
+        assert [s.token_ids for s in got] == [s.token_ids for s in want] != [s.token_ids for s in plain], mode
+
+
+@pytest.mark.parametrize("mode", ["ar", "diffusion"])
+def test_a_prefill_chunk_is_one_forward_of_its_positions_with_one_logit_row(mode, monkeypatch):
+    """prefill_chunk writes K/V of [start, end) attending to keys < end and reads no logits (one row, unused); the
+    final prefill then covers only the rest of the prompt."""
+    seed = 2
+    model, prompt = tiny(seed), prompts_of(seed, (37,))[0]
+    cfg = DecodeConfig(mode=mode, block_size=8, sub_block_size=4, cache="block", max_new_tokens=4,
+                       stop_token_ids=()).validate()
+    calls = []
+    real = type(model).forward
+
+    def spy(self, ids, pos, cache=None, **kw):
+        out = real(self, ids, pos, cache, **kw)
+        calls.append((tuple(ids.shape), int(pos[0, 0]), kw.get("start"), kw.get("kv_len"), tuple(out.shape[:2])))
+        return out
+
+    monkeypatch.setattr(type(model), "forward", spy)
+    dec = decoder_for(model, cfg, MASK, TB)
+    rows = dec.new_rows([prompt])
+    with torch.inference_mode():
+        batch = dec.open_batch([prompt], rows)
+        dec.prefill_chunk(batch, 0, 16)
+        dec.prefill_chunk(batch, 16, 32)
+        dec.prefill([prompt], rows, batch=batch, cached=32)
+    width = 5 if mode == "ar" else 8  # AR: the prompt's last 5 tokens; diffusion: its partial block 32..40
+    assert calls[:3] == [((1, 16), 0, 0, 16, (1, 1)), ((1, 16), 16, 16, 32, (1, 1)),
+                         ((1, width), 32, 32, 37 if mode == "ar" else 40, (1, 1 if mode == "ar" else 3))]
+
+
+def test_ar_forwards_take_the_shared_start_path_only_when_rows_agree(monkeypatch):
+    """The AR forwards' arguments: rows at one position share a slice write (start) and no mask (causal prefill);
+    rows at different positions get per-row causal key masks; a shared prefix is one 1-row forward of it."""
+    seed = 2
+    model = tiny(seed)
+    calls = []
+    real = type(model).forward
+
+    def spy(self, ids, pos, cache=None, **kw):
+        out = real(self, ids, pos, cache, **kw)
+        m = kw.get("mask")
+        calls.append((tuple(ids.shape), kw.get("start"), kw.get("kv_len"), kw.get("causal"),
+                      None if m is None else tuple(m.shape), tuple(out.shape[:2])))
+        return out
+
+    monkeypatch.setattr(type(model), "forward", spy)
+    cfg = DecodeConfig(mode="ar", max_new_tokens=3, stop_token_ids=()).validate()
+    head = prompts_of(seed, (16,))[0]
+    for prompts, want in (
+            ([[1, 2, 3], [4, 5, 6]], [((2, 3), 0, 3, True, None, (2, 1)), ((2, 1), 3, 4, None, None, (2, 1)),
+                                      ((2, 1), 4, 5, None, None, (2, 1))]),
+            ([[1, 2, 3], [4, 5]], [((2, 3), 0, 3, False, (2, 1, 3, 3), (2, 1)), ((2, 1), None, 4, None, (2, 1, 1, 4), (2, 1)),
+                                   ((2, 1), None, 5, None, (2, 1, 1, 5), (2, 1))]),
+            ([head + [1], head + [2, 3]], [((1, 16), 0, 16, True, None, (1, 1)),
+                                           ((2, 2), 16, 18, False, (2, 1, 2, 18), (2, 1))])):
+        calls.clear()
+        drive(decoder_for(model, cfg, MASK, TB), prompts)
+        assert calls[:len(want)] == want, prompts

@@ -28,7 +28,7 @@ KNOBS_LIST = ("mode, block_size, sub_block_size, threshold, strategy, factor, ca
 
 
 PRELOADED: dict[str, Engine] = {}
-if os.environ.get("MUTATION_PRELOAD"):
+if os.environ.get("PRELOAD_TEST_ENGINES"):
     # scripts/mutation.sh sets this: mutmut forks every mutant's run from a server that has only collected the tests,
     # so engines built here, at collection, are built once for the whole run instead of once per mutant (~3 s each).
     # One torch thread first: a process forked after torch started a thread pool can deadlock.
@@ -193,6 +193,9 @@ def test_unknown_parameters_are_named_with_the_knobs(engine):
     says(refused(engine, {"zeta": 1, "num_beams": 4}), f"num_beams: unknown parameter; decoding knobs: {KNOBS_LIST}",
          "num_beams")
     says(refused(engine, {"echo": True}), f"echo: unknown parameter; decoding knobs: {KNOBS_LIST}", "echo")  # chat
+    # chat never reads echo: not as a flag (1 is no bool), not for the echo rules (n = 2)
+    for extra in ({"echo": 1}, {"echo": True, "n": 2}, {"echo": True, "stream": True}):
+        says(refused(engine, extra), f"echo: unknown parameter; decoding knobs: {KNOBS_LIST}", "echo")
 
 
 def test_response_format(engine):
@@ -250,6 +253,9 @@ def test_config_errors_name_the_parameter_the_client_sent(engine):
     says(refused(engine, {"max_tokens": 3, "max_completion_tokens": 5000}),
          "max_completion_tokens: must be an integer in [1, 4096] (got 5000)", "max_completion_tokens")
     says(refused(engine, {"threshold": 0}), "threshold: must be a number in (0, 1] (got 0)", "threshold")
+    # only the field name is renamed, not the value the message quotes
+    says(refused(engine, {"max_tokens": "max_new_tokens"}), "max_tokens: must be an integer in [1, 4096] (got "
+         "'max_new_tokens')", "max_tokens")
 
 
 @pytest.mark.parametrize("name", ["stream", "denoise_events"])
