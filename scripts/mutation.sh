@@ -18,29 +18,15 @@ export PRELOAD_TEST_ENGINES=1
 export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-$ROOT/runs/torch_extensions}
 CHILDREN=${MUTMUT_CHILDREN:-1}
 
-# target | files to mutate (only_mutate globs) | source dirs to copy | fast tests (pytest node ids / -k filters)
+# the targets (files to mutate, source dirs for the scratch copy, fast tests, why): scripts/mutation_targets.json
 declare -A FILES SOURCES TESTS
-FILES[sampling]="engine/sampling.py";  SOURCES[sampling]="engine/"
-TESTS[sampling]="tests/test_oracle.py::test_threshold_rule_is_above_threshold_plus_the_most_confident tests/test_oracle.py::test_factor_rule_is_the_largest_n_with_the_bound tests/test_oracle.py::test_commit_rules_always_commit_the_most_confident tests/test_oracle.py::test_engine_equals_oracle_on_random_models tests/test_engine.py::test_lower_threshold_never_commits_fewer tests/test_engine.py::test_per_row_top_p tests/test_oracle.py::test_sample_returns_the_probability_of_the_token_under_the_tempered_nucleus tests/test_oracle.py::test_sample_draws_from_the_tempered_nucleus"
-FILES[decode]="engine/decode/base.py engine/decode/ar.py engine/decode/diffusion.py engine/decode/rows.py"; SOURCES[decode]="engine/"
-# every event against the oracle on tiny random models with a toy tokenizer, joins, cancels, chunks, knobs, sampling
-# (~5 s for the file; the oracle tests on the bundled tokenizer took ~8 s a mutant)
-TESTS[decode]="tests/test_decode_exact.py"
-FILES[model]="engine/model.py";        SOURCES[model]="engine/"
-TESTS[model]="tests/test_oracle.py::test_engine_equals_oracle_on_random_models tests/test_oracle.py::test_ar_equals_oracle_ar_on_random_models tests/test_engine.py::test_forward_matches_transformers_tiny_qwen2 tests/test_engine.py::test_block_causal_mask_rule tests/test_engine.py::test_cpu_decode_layout_computes_the_same_forward"
-FILES[quant]="engine/weights/gguf.py engine/weights/int4.py"; SOURCES[quant]="engine/"  # the 4-bit unpacking and layers
-# a GGUF written by gguf-py and small random blocks (seconds; the real-GGUF tests parse 10+ s per mutant), and a tiny
-# checkpoint at 4-bit for the one-call layer step
-TESTS[quant]="tests/test_quant.py::test_gguf_blocks_equal_gguf_pys_dequantised_weights tests/test_quant.py::test_gguf_refuses_unexpected_block_types tests/test_quant.py::test_block_cache_reads_back_what_was_parsed tests/test_quant.py::test_pack_pairs_and_tiles_are_the_kernels_layout tests/test_quant.py::test_int4_weight_on_small_blocks tests/test_quant.py::test_int4_linear_switch_bias_and_lora_on_small_blocks tests/test_quant.py::test_dense_bf16_linear tests/test_quant.py::test_q8_head_embedding_and_planes_on_small_rows tests/test_quant.py::test_fused_layer_step_switch tests/test_q4_quantize.py::test_qwen2_checkpoint_at_4bit_keeps_its_biases_and_head"
-FILES[serve]="engine/serve/request.py"; SOURCES[serve]="engine/"  # the request validation
-TESTS[serve]="tests/test_serve_request.py"  # parse() in process on tiny engines, every message pinned (seconds)
-FILES[recipe]="training/recipe.py";    SOURCES[recipe]="training/ engine/"
-TESTS[recipe]="tests/test_training.py tests/test_recipe_exact.py"
-FILES[checker]="grading/checker.py";   SOURCES[checker]="grading/ bench/ engine/"
-TESTS[checker]="tests/test_data.py tests/test_longform.py"
-FILES[finish]="engine/finish.py";      SOURCES[finish]="engine/"
-TESTS[finish]="tests/test_finish.py"
-ALL=(sampling decode model quant serve recipe checker finish)
+ALL=()
+while IFS=$'\t' read -r t f s x; do
+  FILES[$t]=$f; SOURCES[$t]=$s; TESTS[$t]=$x; ALL+=("$t")
+done < <("$PY" -c 'import json, sys
+for n, t in json.load(open(sys.argv[1])).items():
+    if not n.startswith("_"): print("\t".join([n] + [" ".join(t[k]) for k in ("files", "sources", "tests")]))' \
+  "$ROOT/scripts/mutation_targets.json")
 [ $# -gt 0 ] && ALL=("$@")
 
 out=$ROOT/bench/results/mutation
