@@ -39,25 +39,29 @@ SLIM = "ckpt-slim.pt"
 # device README's wheel install.
 PREFIX = ("python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "
           ".whl/*.whl && export PYTHONPATH=/tmp/site || exit; export PYTHONUNBUFFERED=1; ")
-# The first call after the base is converted checks CUDA (tests on toy, random-weight and bundled models) and measures
-# the engine (bench gpu: roofline, random-weight 1.5B vs transformers, the bundled model; ~3.5 min) before p4 trains.
-# Block 1 ran the tests first to catch a capture bug before the long calls; block 2's call 1 showed they need a
-# tokenizer, which is there once the base is converted (no '.gpu' to carry beside a GGUF part).
+# The block fits 15 minutes of device time (the rule since 2026-11-27; block 3 ran this shape in 690 s): the first
+# part's call re-runs the CUDA tests (toy and random-weight models: the bundled one is not converted yet, so its
+# test skips; `.gpu` carries the tokenizer they need), the last part's call converts the base and trains the next
+# phase from the shipped adapter while new data is generated beside it, then measures the bundled model on CUDA
+# for what is left (stdout only: $OUT holds the trainer's 5 files and the generator's 3, the limit).
+GPU_DIR = REPO / ".gpu"  # the tokenizer the CUDA tests need before the base is converted (bench gpu --prepare)
 CHECK_SLOT = ("timeout 120 python3 -m pytest -m cuda tests/test_cuda.py -q -rs -p no:cacheprovider >$OUT/cuda_tests.log 2>&1;"
-              " tail -3 $OUT/cuda_tests.log; timeout 240 python3 -m bench gpu --bundled-seconds 60 --out $OUT/gpu;")
-# Block 2 onwards: new data is generated while phase p3 trains on the committed set from the shipped adapter; p4
-# then trains on everything from p3. Logs of the side process stay in /tmp. Block 2: the generator at batch 512
-# beside the trainer at micro-batch 64 ran out of GPU memory (56.5 GiB trainer peak); batch 256 beside micro-batch 32
-# fit (46 GiB at most) at the same answer tokens/s.
+              " tail -3 $OUT/cuda_tests.log")
+BUNDLED_SLOT = ("timeout 70 python3 -m bench gpu --sections bundled --bundled-seconds 30 --out /tmp/gpu_bundled;"
+                " cat /tmp/gpu_bundled/gpu.json")
+# Block 2: the generator at batch 512 beside the trainer at micro-batch 64 ran out of GPU memory (56.5 GiB trainer
+# peak); batch 256 beside micro-batch 32 fits (46 GiB at most, blocks 2 and 3). Logs of the side process stay in /tmp.
 SEED_DATA = "training/data/selfinstruct"
-DATA_ARGS = (f"--seed-from {SEED_DATA} --seed 2 --magpie 30000 --magpie-batch 1024 --batch-size 256 "
+DATA_SEED = 3  # Magpie rounds: seed 0 block 1, 1 block 2, 2 block 3
+DATA_ARGS = (f"--seed-from {SEED_DATA} --seed {DATA_SEED} --magpie 30000 --magpie-batch 1024 --batch-size 256 "
              "--max-new-tokens 256 --time-budget 300 --threads 6")
 TRAIN_ARGS = ("--answers finish --batch-size 64 --micro-batch 32 --max-len 512 --rank 32 --alpha 64 --lr 2e-4 "
               "--warmup-steps 20 --save-every-s 120 --threads 6")
-P3 = (f"python3 -m training gpu train --out $OUT/train --data {SEED_DATA} --run runs/gpu/p3 --minutes 6 -- "
-      f"{TRAIN_ARGS} --epochs 2 --init-from assets/fastdllm_adapter.safetensors")
-P4_EPOCHS = 2  # set from the last weights call's manifest: ~1,000 steps of 64 fit the p4 calls, epochs ~ 64,000 / kept
-P4_MINUTES = (3, 8)
+# ~1.36 steps of 64 a second beside the generator (block 3): 7 minutes ~ 570 steps; 20,545 answers kept by `finish`
+# at max-len 512 are 321 steps an epoch, so 1.7 epochs (546 steps) end the schedule inside the call.
+TRAIN_MINUTES, TRAIN_EPOCHS = 7, 1.7
+TRAIN = (f"python3 -m training gpu train --out $OUT/train --data {SEED_DATA} --run runs/gpu/next --minutes {TRAIN_MINUTES} "
+         f"-- {TRAIN_ARGS} --epochs {TRAIN_EPOCHS} --init-from assets/fastdllm_adapter.safetensors")
 FINGERPRINT_FILE = Path(__file__).resolve().parent / "data" / "base_fingerprint.json"
 FINGERPRINT_PROMPT = "Name three colors."
 
@@ -126,14 +130,18 @@ def prepare(reserve_mib: float = 0.0, parts: int | None = None) -> dict:
             subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
                             "--python-version", "3.12", "--implementation", "cp", "--platform", "manylinux_2_28_x86_64",
                             "--platform", "manylinux_2_17_x86_64", "-d", str(WHEELS_DIR), spec], check=True)
+    from bench.gpu import prepare as prepare_tokenizer
+
+    prepare_tokenizer()  # .gpu/tokenizer, carried with the first part
     gguf = bundled_gguf_path()
     if gguf.stat().st_size != weights.GGUF_BYTES or weights.sha256_file(gguf) != weights.GGUF_SHA256:
         raise ValueError(f"gguf: {gguf} is not the file DESIGN.md §5 describes (size/sha256 differ)")
     wheel_bytes = sum(f.stat().st_size for f in WHEELS_DIR.glob("*.whl"))
     tree = weights.tree_bytes(REPO)
-    n = parts or weights.part_count(weights.GGUF_BYTES, tree, wheel_bytes + int(reserve_mib * MIB))
+    gpu_bytes = sum(f.stat().st_size for f in GPU_DIR.rglob("*") if f.is_file())  # rides with the first part
+    n = parts or weights.part_count(weights.GGUF_BYTES, tree, wheel_bytes + gpu_bytes + int(reserve_mib * MIB))
     ps = weights.split(gguf, PARTS_DIR, n)
-    biggest = tree + wheel_bytes + max(p.bytes for p in ps.parts)
+    biggest = tree + wheel_bytes + gpu_bytes + max(p.bytes for p in ps.parts)
     return {"tree_mib": round(tree / MIB, 1), "wheels_mib": round(wheel_bytes / MIB, 2), "parts": len(ps.parts),
             "part_mib": round(max(p.bytes for p in ps.parts) / MIB, 1),
             "largest_command_mib": round(biggest / MIB, 1), "calls": plan([p.name for p in ps.parts])}
@@ -144,18 +152,16 @@ def plan(part_names: list[str]) -> list[dict]:
     rel = lambda p: str(p.relative_to(REPO))  # noqa: E731
     calls = []
     for k, name in enumerate(part_names):
-        last = k == len(part_names) - 1
+        first, last = k == 0, k == len(part_names) - 1
         cmd = PREFIX + "python3 -m training gpu weights --out " + ("/tmp/w && cat /tmp/w/weights.json" if last else "$OUT")
-        if last:  # data on the side while p3 trains; weights.json stays out of $OUT (8 files: 3 data + 5 train)
-            cmd += (f" && {{ python3 -m training gpu data --out $OUT/data {DATA_ARGS} >/tmp/data.log 2>&1 & {P3}; "
-                    "wait; tail -c 1500 /tmp/data.log; }")
-        calls.append({"carry": [rel(WHEELS_DIR), rel(PARTS_DIR / "parts.json"), rel(PARTS_DIR / name)],
-                      "command": cmd, "timeout_s": 560 if last else 300})
-    for k, minutes in enumerate(P4_MINUTES):
-        check = CHECK_SLOT + " " if k == 0 else ""  # 3 files back, beside p4's 5
-        calls.append({"carry": [rel(WHEELS_DIR)], "timeout_s": min(600, 60 * minutes + 60 + (360 if check else 0)),
-                      "command": PREFIX + check + f"python3 -m training gpu train --out $OUT/train --run runs/gpu/p4 "
-                                 f"--minutes {minutes} -- {TRAIN_ARGS} --epochs {P4_EPOCHS} --init-from runs/gpu/p3"})
+        carry = [rel(WHEELS_DIR), rel(PARTS_DIR / "parts.json"), rel(PARTS_DIR / name)]
+        if first and not last:
+            cmd += "; " + CHECK_SLOT
+            carry.append(rel(GPU_DIR))
+        if last:  # weights.json stays out of $OUT (8 files: 3 data + 5 train); the bundled bench prints to stdout
+            cmd += (f" && {{ python3 -m training gpu data --out $OUT/data {DATA_ARGS} >/tmp/data.log 2>&1 & {TRAIN}; "
+                    f"wait; tail -c 1500 /tmp/data.log; {BUNDLED_SLOT}; }}")
+        calls.append({"carry": carry, "command": cmd, "timeout_s": 600 if last else 200 if first else 120})
     return calls
 
 
