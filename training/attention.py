@@ -48,6 +48,7 @@ class Blockwise:
     views: int
     block_size: int
 
+    @torch.compiler.disable  # under --compile the layer's graph breaks here; this loop of SDPA calls stays eager
     def __call__(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         b, h, t, d = q.shape
         s, bs = self.views + 1, self.block_size
@@ -101,6 +102,7 @@ class Flex:
         self.block_mask = create_block_mask(mask_mod, len(visible), None, t, t, device=visible.device)
         self._dense: Tensor | None = None
 
+    @torch.compiler.disable  # under --compile the layer's graph breaks here: flex keeps its own compiled kernel
     def __call__(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         from torch.nn.attention.flex_attention import flex_attention
 

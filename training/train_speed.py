@@ -26,6 +26,7 @@ VARIANTS: dict[str, dict] = {
     "after": {},  # the defaults: bf16 weights, attention auto (blockwise on CPU, flex on CUDA)
     "b16_micro4": {"batch_size": 16, "micro_batch": 4},  # after, 16 sequences a step in sorted micro-batches of 4
     "fp32": {"bf16": False, "attention": "dense"},
+    "compiled": {"compile": True},  # after, each decoder layer under torch.compile (the next GPU block times it)
 }
 
 
