@@ -13,6 +13,9 @@ Sections, each recorded in gpu.json (an error in one is written down and the oth
             forward, and 1e-9 = the whole sub-block) vs AR; TTFT; peak GPU memory;
   bundled   the bundled SmolLM2-135M + adapter (when its weights can be loaded there): diffusion vs AR on real
             prompts, greedy, dual cache, static vs eager.
+  clients   the bundled model again: N clients at once through the engine's scheduler (continuous batching on the
+            static path, graphs per row bucket) against the same N one after another; tok/s, TTFT from each
+            submit, answers equal to the single-user ones (bench/gpu_clients.py).
 Ratios come from one process and interleaved repeats (round r of every setting, then round r + 1).
 """
 from __future__ import annotations
@@ -353,7 +356,8 @@ def add_parser(sub) -> None:
     p.add_argument("--bundled-tokens", type=int, default=128)
     p.add_argument("--bundled-seconds", type=float, default=60.0,
                    help="bundled section: start no new prompt after this many seconds (the first always runs)")
-    p.add_argument("--sections", default="roofline,engine,bundled")
+    p.add_argument("--clients", type=int, default=8, help="clients section: requests at once")
+    p.add_argument("--sections", default="roofline,engine,bundled,clients")
     p.add_argument("--threads", type=int, default=None)
     p.set_defaults(func=main)
 
@@ -382,7 +386,7 @@ def main(args: argparse.Namespace) -> int:
     if args.smoke:
         args.shapes, args.engine_shape, args.widths, args.iters, args.prefix = "tiny", "tiny", "1,9,32", 2, 64
         args.new_tokens, args.prompt_len, args.repeats, args.batch_sizes = 8, 16, 1, "1,2"
-        args.bundled_prompts, args.bundled_tokens = 1, 4
+        args.bundled_prompts, args.bundled_tokens, args.clients = 1, 4, 2
     dev = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     out = Path(args.out)
@@ -434,6 +438,10 @@ def main(args: argparse.Namespace) -> int:
                              ("peak_mb", "peak MB")]))
     if "bundled" in sections:
         report["bundled"] = guarded("bundled", lambda: section_bundled(args, dev))
+    if "clients" in sections:
+        from .gpu_clients import section_clients
+
+        report["clients"] = guarded("clients", lambda: section_clients(args, dev))
     try:
         report["plots"] = plot(report, out) if report.get("roofline") else "none: no roofline section"
     except ImportError as exc:

@@ -200,6 +200,13 @@ def test_gpu_bench_smoke_runs_every_section(tmp_path, capsys):
     assert r["engine"]["batches"]["2"]["ar_static"]["tokens"] == 2 * 8
     assert r["bundled"]["same_tokens_static_vs_eager"] == {"ar": 1, "diffusion": 1}
     assert r["bundled"]["prompts"] == r["bundled"]["prompts_asked"] == 1
+    c = r["clients"]
+    assert c["clients"] == 2 and c["graphs"]["static"] and c["forwards"] > 0
+    for mode in ("ar", "diffusion"):
+        m = c[mode]
+        assert m["together"]["tokens"] == m["one_by_one"]["tokens"] and m["speedup"] > 0
+        assert 0 < m["together"]["ttft_median_s"] <= m["together"]["ttft_max_s"] <= m["together"]["seconds"]
+    assert c["ar"]["same_answers"] == 2  # AR batches are row-exact (docs/serving.md)
     assert len(list(tmp_path.iterdir())) <= 8, "the device tool brings back at most 8 files"
 
 
