@@ -176,15 +176,19 @@ def test_stop_guard_and_per_row_answer_caps_equal_the_oracle():
     """stop_guard: candidates end at the first predicted stop token; rows with their own max_new_tokens."""
     seed = 0
     model, prompts = tiny(seed), prompts_of(seed, (5, 8, 14))
-    caps = [7, 20, 13]
+    caps = [7, 13, 20]  # row 2 predicts its stop token mid-sub-block with confident positions after it
     for cache in ("block", "dual"):
         cfg = diffusion_cfg(seed, cache, 8, 4, threshold=0.3, stop_guard=True)
         log = Log()
         dec = decoder_for(model, cfg, MASK, TB, listener=log)
         summaries = drive(dec, prompts, dec.new_rows(prompts, max_new=caps))
-        for i, (s, run) in enumerate(zip(summaries, oracle_runs(model, prompts, cfg, caps))):
+        runs = oracle_runs(model, prompts, cfg, caps)
+        for i, (s, run) in enumerate(zip(summaries, runs)):
             check_oracle(log.by_row[i], s, run, set(cfg.stop_token_ids), f"row {i} {cache} cap {caps[i]}")
             assert len(s.token_ids) <= caps[i]
+        # the guard bites here (mutation run: with caps that never reached it, committing past the cut survived)
+        unguarded = oracle_runs(model, prompts, replace(cfg, stop_guard=False), caps)
+        assert any(a.steps != b.steps for a, b in zip(runs, unguarded)), cache
 
 
 def test_the_mask_token_is_never_an_answer_and_no_mask_token_is_refused():
