@@ -396,7 +396,12 @@ def tiny_gguf(tmp_path_factory):
 
     T = gg.GGMLQuantizationType
     rng = np.random.default_rng(0)
-    tensors, expected = {}, {}
+    # skipped, and first, as in a real GGUF (blk.0.attn_norm follows token_embd): a 1-D norm, a 2-D tensor outside the
+    # blocks, a 2-D block tensor that is not a projection (mutation run: with them last, `break` for `continue` passed)
+    tensors = {"blk.0.attn_norm.weight": (np.ones(64, np.float32), T.F32),
+               "output.weight": ((rng.standard_normal((8, 64)) * 0.1).astype(np.float32), T.Q8_0),
+               "blk.0.attn_q_norm.weight": (np.ones((4, 64), np.float32), T.F32)}
+    expected = {}
     for layer in (0, 1):
         for key, shape in SHAPES.items():
             hf = (rng.standard_normal(shape) * 0.05 + rng.uniform(-0.02, 0.02, (shape[0], 1))).astype(np.float32)
@@ -410,10 +415,6 @@ def tiny_gguf(tmp_path_factory):
     raw = quantize(emb, T.Q8_0).reshape(8, 2, 34)
     expected["embed"] = (torch.from_numpy(raw[..., 2:].copy()).view(torch.int8).reshape(8, 64),
                          torch.from_numpy(dequantize(quantize(emb, T.Q8_0), T.Q8_0).copy()))
-    # skipped: 1-D norms, a 2-D tensor outside the blocks, a 2-D block tensor that is not a projection
-    tensors["blk.0.attn_norm.weight"] = (np.ones(64, np.float32), T.F32)
-    tensors["output.weight"] = (emb, T.Q8_0)
-    tensors["blk.0.attn_q_norm.weight"] = (np.ones((4, 64), np.float32), T.F32)
     path = tmp_path_factory.mktemp("tiny_gguf") / "tiny.gguf"
     _write_gguf(path, tensors)
     return path, expected
@@ -592,6 +593,14 @@ def test_int4_linear_switch_bias_and_lora_on_small_blocks(kernels, act):
     y = skip.add_to(torch.zeros(3, 16), x3[0])
     assert y[:, :6].abs().max() == 0 and not skip.whole
     torch.testing.assert_close(y[:, 6:], (x3[0] @ delta.T)[:, 6:])
+    # q|k|v: three parts of different ranks, each B reading its own rank slice of h (mutation run: a slice table
+    # that restarted at the previous part's rank passed with two parts)
+    a3, b3 = torch.randn(7, 128, generator=g) * 0.1, torch.randn(16, 7, generator=g) * 0.1
+    parts = [(a3[:1], b3[:4, :1]), (a3[1:3], b3[4:9, 1:3]), (a3[3:], b3[9:, 3:])]
+    three = quant.LoRA(parts, [4, 5, 7], 0.5)
+    assert [sl[1:3] for sl in three.slices] == [(0, 1), (1, 3), (3, 7)]
+    ref3 = 0.5 * x3[0] @ (torch.block_diag(b3[:4, :1], b3[4:9, 1:3], b3[9:, 3:]) @ a3).T
+    torch.testing.assert_close(three.add_to(torch.zeros(3, 16), x3[0]), ref3)
 
 
 def test_dense_bf16_linear():
