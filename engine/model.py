@@ -40,6 +40,21 @@ def wide_calls() -> Iterator[None]:
         WIDE_CALLS.reset(token)
 
 
+# The positions per sequence of the forward whose logits the LM head computes. With `logits_idx` the head sees only
+# the picked positions, padded to the batch's widest row; a head whose kernels follow the width (the 4-bit CPU head,
+# engine/weights/int4.py) reads this instead, so a row's logits do not depend on its batch.
+HEAD_WIDTH: ContextVar[int | None] = ContextVar("fastdllm_head_width", default=None)
+
+
+def head_logits(model: "CausalLM", x: Tensor, width: int) -> Tensor:
+    """model's final norm and LM head on hidden states x of a forward `width` positions wide."""
+    token = HEAD_WIDTH.set(width)
+    try:
+        return model.lm_head(model.model.norm(x))
+    finally:
+        HEAD_WIDTH.reset(token)
+
+
 def whole_key_quanta(n: int) -> int:
     """n rounded up to a multiple of KEY_QUANTUM."""
     return -(-n // KEY_QUANTUM) * KEY_QUANTUM
@@ -261,9 +276,10 @@ class CausalLM(nn.Module):
         else:
             for layer in self.model.layers:
                 x = layer(x, cos, sin, pos, cache, start, kv_len, mask, causal)
+        width = x.shape[1]
         if logits_idx is not None:
             x = x.gather(1, logits_idx[..., None].expand(-1, -1, x.shape[-1]))
-        return self.lm_head(self.model.norm(x))
+        return head_logits(self, x, width)
 
 
 def _quantum_mask(q_pos: Tensor, mask: Tensor | None, causal: bool, kv_len: int, room: int) -> tuple[Tensor, int]:

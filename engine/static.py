@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .model import CausalLM, KVCache
+from .model import CausalLM, KVCache, head_logits
 from .runtime import Runtime
 
 
@@ -113,8 +113,9 @@ def static_forward(model: CausalLM, cos_t: Tensor, sin_t: Tensor, keys: Tensor, 
     mask = (keys[None, :] < s.ends[:, None])[:, None, None, :]  # [B, 1, 1, capacity]
     for i, layer in enumerate(model.model.layers):
         x = layer_fn(layer, x, cos, sin, mask, cache.k[i], cache.v[i], s.write)
+    width = x.shape[1]
     x = x.gather(1, s.idx[..., None].expand(-1, -1, x.shape[-1]))
-    return model.lm_head(model.model.norm(x))
+    return head_logits(model, x, width)
 
 
 def compile_wanted(runtime: Runtime | None = None) -> bool:

@@ -90,6 +90,13 @@ def test_rope_equals_the_textbook_rotation_at_any_position_and_dtype():
     assert cos.dtype == sin.dtype == torch.bfloat16
     ang = torch.tensor(2500.0, dtype=torch.float64) * (1.0 / theta ** (torch.arange(0, d, 2).double() / d))
     torch.testing.assert_close(cos[0, 0, 0].double(), torch.cat([ang, ang]).cos(), atol=1e-2, rtol=0)
+    # a first position past twice the default table (a long prompt's last token): the table must reach it exactly
+    for p in (5000, 2048, 2049):
+        fresh = Rope(d, theta)
+        cos, _ = fresh(torch.tensor([[p]]), torch.float32)
+        assert fresh._cos.shape[0] >= p + 1
+        ang = torch.tensor(float(p), dtype=torch.float64) * (1.0 / theta ** (torch.arange(0, d, 2).double() / d))
+        torch.testing.assert_close(cos[0, 0, 0].double(), torch.cat([ang, ang]).cos(), atol=2e-4, rtol=0)
 
 
 def test_masks_and_key_quanta():
@@ -258,7 +265,9 @@ def test_the_one_call_layer_step_takes_cached_forwards_up_to_a_block(tiny_fast_d
         pytest.skip("our CPU kernels need AVX-512 VNNI")
     monkeypatch.setenv("FASTDLLM_CACHE", str(tmp_path / "cache"))
     monkeypatch.setenv("FASTDLLM_WEIGHTS", "int4+bf16")
-    monkeypatch.delenv("FASTDLLM_INT4_WIDE_ROWS", raising=False)
+    # fp32 activations at every width up to the block, so fused and eager agree to 1e-4 (at the default switch, 2,
+    # both run bf16 ones in another order: tests/test_quant.py bounds that)
+    monkeypatch.setenv("FASTDLLM_INT4_WIDE_ROWS", "33")
     model = Engine.load(str(tiny_fast_dllm), device="cpu").lm.base
     steps, calls = model.steps, []
     assert steps is not None and len(steps) == model.cfg.num_hidden_layers and steps[0].max_width == 32
@@ -299,3 +308,42 @@ def test_the_one_call_layer_step_takes_cached_forwards_up_to_a_block(tiny_fast_d
     calls.clear()
     run(True, grad=True)
     assert calls == []
+
+
+def test_a_rows_logits_do_not_depend_on_the_positions_its_batch_reads(tiny_fast_dllm, tmp_path, monkeypatch):
+    """A batch reads logits at each row's masked positions, padded to its widest row (`logits_idx`). At 4-bit the
+    head's kernels follow the forward's width (engine/model.py HEAD_WIDTH), not the padded count, so a row's logits
+    are the same whichever rows it shares a step with: at the default switch a 9-wide step's head runs bf16
+    activations whether it reads 1 or 3 positions."""
+    from engine import Engine
+
+    monkeypatch.setenv("FASTDLLM_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("FASTDLLM_WEIGHTS", "int4+bf16")
+    monkeypatch.delenv("FASTDLLM_INT4_WIDE_ROWS", raising=False)
+    model = Engine.load(str(tiny_fast_dllm), device="cpu").lm.base
+    ids = torch.randint(0, 500, (1, 9), generator=torch.Generator().manual_seed(4))
+    pos = torch.arange(9)[None]
+    with torch.inference_mode():
+        alone = model(ids, pos, causal=True, logits_idx=torch.tensor([[8]]))
+        padded = model(ids, pos, causal=True, logits_idx=torch.tensor([[8, 0, 0]]))
+        whole = model(ids, pos, causal=True)
+    assert torch.equal(alone[:, 0], padded[:, 0])
+    assert torch.equal(alone[:, 0], whole[:, 8])
+
+
+def test_tied_embeddings_share_one_tensor_and_projections_have_the_configs_biases():
+    """tie_word_embeddings (SmolLM2, the bundled base) makes the LM head read the embedding's tensor itself, so a
+    checkpoint without lm_head.weight loads and a trained embedding row is also a head row; q/k/v carry biases
+    exactly when attention_bias says (Qwen2), the other projections never."""
+    from engine.config import ModelConfig
+    from engine.model import CausalLM
+
+    for tied, bias in ((True, False), (False, True)):
+        cfg = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                          num_key_value_heads=2, head_dim=8, attention_bias=bias, tie_word_embeddings=tied)
+        m = CausalLM(cfg)
+        assert (m.lm_head.weight is m.model.embed_tokens.weight) == tied
+        assert m.lm_head.weight.shape == (64, 32) and m.lm_head.bias is None and not m.packed
+        att, mlp = m.model.layers[0].self_attn, m.model.layers[0].mlp
+        assert all((p.bias is not None) == bias for p in (att.q_proj, att.k_proj, att.v_proj))
+        assert all(p.bias is None for p in (att.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj))

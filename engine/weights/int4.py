@@ -5,7 +5,7 @@ A Q4_1 block stores 32 weights as q in 0..15 with an fp16 scale d and minimum m:
 * ours (engine/weights/kernels.py, engine/weights/csrc/; CPUs with AVX-512 VNNI and a C++ compiler): narrow calls multiply
   the file's q, d, m with fp32 activations (the fp32 path's numbers up to summation order) or, with
   FASTDLLM_ACTIVATIONS=int8, int8 ones per 32-group (VNNI); wide calls dequantise tiles to bf16 in L1
-  (q4_bf16, AVX-512 BF16) or use a dense bf16 copy; the head runs its Q8_0 rows at every width; and
+  (q4_bf16, AVX-512 BF16) or use a dense bf16 copy; the head keeps its Q8_0 rows as stored (wide calls: q8_bf16); and
   `LayerStep` runs a whole decoder layer of a cached forward (up to a block) in one C++ call.
 * torch (fallback, or FASTDLLM_KERNELS=torch): w = d*(q - 8) + (m + 8d) is torch's int4 weight-only format with
   group size 32 (`aten._weight_int4pack_mm_for_cpu`), bf16 activations and scales; a dense bf16 copy for wide
@@ -29,17 +29,18 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from . import kernels as cpu_kernels
-from ..model import WIDE_CALLS
+from ..model import HEAD_WIDTH, WIDE_CALLS
 from .gguf import GROUP, Q4Blocks
 
 HEAD_WIDE_ROWS = 4  # LM head: int4 planes below, dense bf16 from here (7.4 vs 14.8 ms at 1 row, 25.5 vs 20.7 at 8);
 # counted per sequence, so an 8-row AR batch pays the 25.5 ms to keep every row's logits equal to its own alone
 FUSED_MAX_WIDTH = 32  # widest forward the one-call layer step takes (a block step); prefills stay eager
-# Where wide calls start (bf16 activations), per backend. Ours: above a block, so every cached decode step (AR, sub-block,
-# block) keeps fp32 activations and the fp32 path's tokens, and only prefills take bf16 (diffusion answers equal to the
-# fp32 path's: 302/309 against 292 at 16, for 0.82-0.92x its speed; README). torch's int4 kernel: at 16, where it costs as much
-# as dense bf16.
-OURS_WIDE_ROWS = FUSED_MAX_WIDTH + 1
+# Where wide calls start (bf16 activations, projections and head), per backend. Ours: at 2 positions per sequence, so
+# every forward of several positions (diffusion sub-block, refresh and commit steps, prefills) runs bf16 activations
+# and only the one-position AR step keeps fp32 ones (the fp32 path's numbers). Judged by answers, not token identity:
+# bench/results/wide_bf16/ (issue 23). FASTDLLM_INT4_WIDE_ROWS=33 gives the fp32-activation steps of before. torch's
+# int4 kernel: at 16, where it costs as much as dense bf16.
+OURS_WIDE_ROWS = 2
 TORCH_WIDE_ROWS = 16
 ACTS = ("fp32", "int8")
 DEFAULT_ACT = "fp32"  # activations of our kernels' narrow calls (README: speed and greedy agreement of both)
@@ -211,7 +212,8 @@ def q8_planes(q: Tensor, d: Tensor) -> tuple[Q4Blocks, Q4Blocks]:
 class Q8Head(nn.Module):
     """The tied Q8_0 LM head's weights, shared by the base and the dLLM.
 
-    With our kernels: as stored (q + 128 as uint8, fp16 d), at every width (fp32 or int8 activations). Otherwise
+    With our kernels: as stored (q + 128 as uint8, fp16 d): fp32 or int8 activations, or bf16 ones for the wide calls
+    of int4+bf16 (q8_bf16, on CPUs with AVX-512 BF16; fp32 elsewhere). Otherwise
     two int4 products (q = 16 hi + lo; exact but for bf16 scales) below `HEAD_WIDE_ROWS` positions per sequence,
     2x faster than dense bf16 for the AR step, and dense bf16 for wider calls."""
 
@@ -231,10 +233,13 @@ class Q8Head(nn.Module):
                 self.add_module(name, plane)
             self.register_buffer("weight", (q.float().view(q.shape[0], -1, GROUP) * d[..., None]).flatten(1).bfloat16())
 
-    def forward(self, x2: Tensor, width: int, act: str) -> Tensor:
-        """x2 [rows, hidden] -> fp32 logits; `width` = positions per sequence."""
+    def forward(self, x2: Tensor, width: int, act: str, wide: bool = False) -> Tensor:
+        """x2 [rows, hidden] -> fp32 logits; `width` = positions per sequence; `wide`: the caller's int4+bf16 switch
+        says bf16 activations (our kernels on a CPU with AVX-512 BF16 then run the Q8 rows through q8_bf16)."""
         if self.kernels is not None:
             x = x2.float().contiguous()
+            if wide and cpu_kernels.bf16_ok():
+                return self.kernels.q8_bf16(x, self.u, self.d)
             return self.kernels.q8_i8(x, self.u, self.d, self.mt) if act == "int8" else self.kernels.q8_f32(x, self.u, self.d)
         if width < HEAD_WIDE_ROWS:
             hi, lo = self.planes
@@ -243,17 +248,24 @@ class Q8Head(nn.Module):
 
 
 class LMHead(nn.Module):
-    """Logits over the file's vocabulary (a shared Q8Head) plus the adapter's new rows (fp32), if any."""
+    """Logits over the file's vocabulary (a shared Q8Head) plus the adapter's new rows (fp32), if any. In forwards of
+    `wide_rows` positions per sequence or more (int4+bf16's switch, None: never; counted over the forward, not the
+    positions whose logits it reads, engine/model.py HEAD_WIDTH) with bf16 activations, like the projections; but
+    not in a prefill (`wide_calls()`): its logits are one position per row, and an AR answer keeps the fp32 head."""
 
-    def __init__(self, core: Q8Head, extra_rows: Tensor | None, act: str = DEFAULT_ACT):
+    def __init__(self, core: Q8Head, extra_rows: Tensor | None, act: str = DEFAULT_ACT, wide_rows: int | None = None):
         super().__init__()
         self.core = core
         self.act = act
+        self.wide_rows = wide_rows
         self.register_buffer("extra", extra_rows)
 
     def forward(self, x: Tensor) -> Tensor:
         x2 = x.reshape(-1, x.shape[-1])
-        y = self.core(x2, _width(x), self.act).to(x.dtype)
+        width = _width(x)
+        forward = HEAD_WIDTH.get() or width
+        wide = self.wide_rows is not None and forward >= self.wide_rows and not WIDE_CALLS.get()
+        y = self.core(x2, width, self.act, wide).to(x.dtype)
         if self.extra is not None:
             y = torch.cat([y, F.linear(x2.to(self.extra.dtype), self.extra).to(y.dtype)], -1)
         return y.view(*x.shape[:-1], y.shape[-1])

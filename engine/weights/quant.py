@@ -130,7 +130,7 @@ class QuantizedPair:
         model.steps = steps if len(steps) == len(model.model.layers) else None
         dtype = model.model.norm.weight.dtype
         model.model.embed_tokens = Q8Embedding(self.w.embed_q, self.w.embed_d, extra_rows, dtype)
-        model.lm_head = LMHead(self.head, None if extra_rows is None else extra_rows.float(), self.policy.act)
+        model.lm_head = LMHead(self.head, None if extra_rows is None else extra_rows.float(), self.policy.act, wide)
         model.packed = True
         return model
 

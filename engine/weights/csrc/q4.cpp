@@ -14,8 +14,8 @@
 //
 //   *_f32: fp32 activations, weights dequantised in registers: the fp32 path's numbers up to summation order.
 //          Calls of more rows dequantise each tile once into L1 (f32_unpack_tile) for all of them: the same numbers.
-//   q4_bf16: wide calls (AVX-512 BF16): tiles dequantised to bf16 once per call, bf16 activations (a dense bf16
-//          copy's numbers, from the 4-bit stream).
+//   q4_bf16, q8_bf16: wide calls (AVX-512 BF16): tiles dequantised to bf16 once per call, bf16 activations (a dense
+//          bf16 copy's numbers, from the quantised stream).
 //   *_i8:  activations quantised per row and 32-group to int8 (like llama.cpp's Q8_1); integer dot products with
 //          AVX-512 VNNI (vpdpbusd, 64 multiply-adds per instruction): faster, further from fp32 (opt-in).
 #include "q4.h"
@@ -271,23 +271,41 @@ __attribute__((target("avx512bf16"))) void bf16_rows(const uint16_t* wb, const u
     for (int i = 0; i < MB; ++i) y[i * ldy + n0 + j] = _mm512_reduce_add_ps(acc[j][i]);
 }
 
-__attribute__((target("avx512bf16"))) void bf16_unpack_tile(const uint8_t* w, const at::Half* dm, int64_t K, int64_t n0,
+// Q4 (w, dm): w = d*q + m from a 16-entry table per group. Q8 (u, d): w = d*(u - 128), each weight converted (the
+// head is read once per call, so its unpacking is amortised over the call's rows as well).
+template <bool Q8>
+__attribute__((target("avx512bf16"))) void bf16_unpack_tile(const uint8_t* w, const at::Half* sc, int64_t K, int64_t n0,
                                                              uint16_t* wb) {
-  const int64_t G = K / kGroup;
-  alignas(64) float s[kTile * 2 * kMaxGroups];
-  halves_to_float(dm + (n0 / kTile) * kTile * G * 2, kTile * G * 2, s);
-  const uint8_t* wt = w + (n0 / kTile) * kTile * (K / 2);
+  constexpr int S = Q8 ? 1 : 2;
+  const int64_t G = K / kGroup, pair_bytes = Q8 ? 64 : 32;
+  alignas(64) float s[kTile * S * kMaxGroups];
+  halves_to_float(sc + (n0 / kTile) * kTile * G * S, kTile * G * S, s);
+  const uint8_t* wt = w + (n0 / kTile) * kTile * (G / 2) * pair_bytes;
   const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   const __m256i low = _mm256_set1_epi8(15);
+  const __m512i bias = _mm512_set1_epi32(128);
   for (int64_t g = 0; g < G; g += 2) {
     for (int j = 0; j < kTile; ++j) {
-      const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wt + ((g / 2) * kTile + j) * 32));
-      const __m256i q[2] = {_mm256_and_si256(b, low), _mm256_and_si256(_mm256_srli_epi16(b, 4), low)};
-      for (int h = 0; h < 2; ++h) {
-        const float* sc = s + ((g + h) * kTile + j) * 2;
-        const __m512 t = _mm512_fmadd_ps(iota, _mm512_set1_ps(sc[0]), _mm512_set1_ps(sc[1]));
-        const __m512i table = _mm512_castsi256_si512((__m256i)_mm512_cvtneps_pbh(t));
-        _mm512_storeu_si512(wb + j * K + (g + h) * kGroup, _mm512_permutexvar_epi16(_mm512_cvtepu8_epi16(q[h]), table));
+      const uint8_t* p = wt + ((g / 2) * kTile + j) * pair_bytes;
+      if constexpr (Q8) {
+        for (int h = 0; h < 2; ++h) {  // bytes 0..31: group g, 32..63: group g + 1
+          const __m512 d = _mm512_set1_ps(s[(g + h) * kTile + j]);
+          __m512 v[2];
+          for (int c = 0; c < 2; ++c) {
+            const __m512i u = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 32 * h + 16 * c)));
+            v[c] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(u, bias)), d);
+          }
+          _mm512_storeu_si512(wb + j * K + (g + h) * kGroup, (__m512i)_mm512_cvtne2ps_pbh(v[1], v[0]));
+        }
+      } else {
+        const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+        const __m256i q[2] = {_mm256_and_si256(b, low), _mm256_and_si256(_mm256_srli_epi16(b, 4), low)};
+        for (int h = 0; h < 2; ++h) {
+          const float* sg = s + ((g + h) * kTile + j) * 2;
+          const __m512 t = _mm512_fmadd_ps(iota, _mm512_set1_ps(sg[0]), _mm512_set1_ps(sg[1]));
+          const __m512i table = _mm512_castsi256_si512((__m256i)_mm512_cvtneps_pbh(t));
+          _mm512_storeu_si512(wb + j * K + (g + h) * kGroup, _mm512_permutexvar_epi16(_mm512_cvtepu8_epi16(q[h]), table));
+        }
       }
     }
   }
@@ -394,8 +412,8 @@ torch::Tensor mm_i8(torch::Tensor x, torch::Tensor w, torch::Tensor sc, torch::T
   return y;
 }
 
-__attribute__((target("avx512bf16"))) torch::Tensor q4_bf16(torch::Tensor x, torch::Tensor w, torch::Tensor dm) {
-  const int64_t K = check(x, w, dm, false, "q4_bf16"), M = x.size(0), N = w.size(0);
+__attribute__((target("avx512bf16"))) torch::Tensor mm_bf16(torch::Tensor x, torch::Tensor w, torch::Tensor sc, bool q8) {
+  const int64_t K = check(x, w, sc, q8, q8 ? "q8_bf16" : "q4_bf16"), M = x.size(0), N = w.size(0);
   auto xb = torch::empty({M, K}, x.options().dtype(torch::kBFloat16));
   const float* xp = x.data_ptr<float>();
   uint16_t* xbp = reinterpret_cast<uint16_t*>(xb.data_ptr<at::BFloat16>());
@@ -403,12 +421,13 @@ __attribute__((target("avx512bf16"))) torch::Tensor q4_bf16(torch::Tensor x, tor
     _mm512_storeu_si512(xbp + i, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(xp + i + 16), _mm512_loadu_ps(xp + i)));
   auto y = torch::empty({M, N}, x.options());
   const uint8_t* wp = w.data_ptr<uint8_t>();
-  const at::Half* sp = dm.data_ptr<at::Half>();
+  const at::Half* sp = sc.data_ptr<at::Half>();
   float* yp = y.data_ptr<float>();
   at::parallel_for(0, N / kTile, kGrain / kTile, [&](int64_t b0, int64_t b1) {
     std::vector<uint16_t> wb(kTile * K);
     for (int64_t blk = b0; blk < b1; ++blk) {
-      bf16_unpack_tile(wp, sp, K, blk * kTile, wb.data());
+      if (q8) bf16_unpack_tile<true>(wp, sp, K, blk * kTile, wb.data());
+      else bf16_unpack_tile<false>(wp, sp, K, blk * kTile, wb.data());
       for (int64_t m0 = 0; m0 < M; m0 += kRows)
         with_rows(std::min<int64_t>(kRows, M - m0), [&](auto MB) {
           bf16_rows<MB.value>(wb.data(), xbp + m0 * K, K, blk * kTile, yp + m0 * N, N);
@@ -418,8 +437,12 @@ __attribute__((target("avx512bf16"))) torch::Tensor q4_bf16(torch::Tensor x, tor
   return y;
 }
 
+torch::Tensor q4_bf16(torch::Tensor x, torch::Tensor w, torch::Tensor dm) { return mm_bf16(x, w, dm, false); }
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("q4_bf16", &q4_bf16, "x [M,K] fp32 @ Q4 [N,K]^T -> [M,N] fp32, bf16 activations and weights (AVX-512 BF16)");
+  m.def("q8_bf16", [](torch::Tensor x, torch::Tensor w, torch::Tensor d) { return mm_bf16(x, w, d, true); },
+        "x [M,K] fp32 @ Q8 [N,K]^T -> [M,N] fp32, bf16 activations and weights (AVX-512 BF16)");
   m.def("layer_step", &layer_step, "one decoder layer's narrow forward over a KV cache (engine/csrc/layer.cpp)");
   m.def("q4_f32", [](torch::Tensor x, torch::Tensor w, torch::Tensor dm) { return mm_f32(x, w, dm, false); },
         "x [M,K] fp32 @ Q4 [N,K]^T -> [M,N] fp32, fp32 activations");
