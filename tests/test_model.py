@@ -310,22 +310,25 @@ def test_the_one_call_layer_step_takes_cached_forwards_up_to_a_block(tiny_fast_d
     assert calls == []
 
 
-def test_a_rows_logits_do_not_depend_on_the_positions_its_batch_reads(tiny_fast_dllm, tmp_path, monkeypatch):
+@pytest.mark.parametrize("kernels", ["auto", "torch"])
+def test_a_rows_logits_do_not_depend_on_the_positions_its_batch_reads(tiny_fast_dllm, tmp_path, monkeypatch, kernels):
     """A batch reads logits at each row's masked positions, padded to its widest row (`logits_idx`). At 4-bit the
     head's kernels follow the forward's width (engine/model.py HEAD_WIDTH), not the padded count, so a row's logits
     are the same whichever rows it shares a step with: at the default switch a 9-wide step's head runs bf16
-    activations whether it reads 1 or 3 positions."""
+    activations (ours) or the dense bf16 copy (torch's backend, whose planes serve narrower reads) whether it reads 1
+    or 5 positions."""
     from engine import Engine
 
     monkeypatch.setenv("FASTDLLM_CACHE", str(tmp_path / "cache"))
     monkeypatch.setenv("FASTDLLM_WEIGHTS", "int4+bf16")
+    monkeypatch.setenv("FASTDLLM_KERNELS", kernels)
     monkeypatch.delenv("FASTDLLM_INT4_WIDE_ROWS", raising=False)
     model = Engine.load(str(tiny_fast_dllm), device="cpu").lm.base
     ids = torch.randint(0, 500, (1, 9), generator=torch.Generator().manual_seed(4))
     pos = torch.arange(9)[None]
     with torch.inference_mode():
         alone = model(ids, pos, causal=True, logits_idx=torch.tensor([[8]]))
-        padded = model(ids, pos, causal=True, logits_idx=torch.tensor([[8, 0, 0]]))
+        padded = model(ids, pos, causal=True, logits_idx=torch.tensor([[8, 0, 0, 0, 0]]))
         whole = model(ids, pos, causal=True)
     assert torch.equal(alone[:, 0], padded[:, 0])
     assert torch.equal(alone[:, 0], whole[:, 8])

@@ -264,8 +264,11 @@ class LMHead(nn.Module):
         x2 = x.reshape(-1, x.shape[-1])
         width = _width(x)
         forward = HEAD_WIDTH.get() or width
-        wide = self.wide_rows is not None and forward >= self.wide_rows and not WIDE_CALLS.get()
-        y = self.core(x2, width, self.act, wide).to(x.dtype)
+        prefill = WIDE_CALLS.get()
+        wide = self.wide_rows is not None and forward >= self.wide_rows and not prefill
+        # torch's backend picks planes or its dense copy by width too: the forward's, except in a prefill, whose
+        # logits are one position per row however a batch splits the prompt
+        y = self.core(x2, width if prefill else forward, self.act, wide).to(x.dtype)
         if self.extra is not None:
             y = torch.cat([y, F.linear(x2.to(self.extra.dtype), self.extra).to(y.dtype)], -1)
         return y.view(*x.shape[:-1], y.shape[-1])
