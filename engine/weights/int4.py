@@ -220,6 +220,7 @@ class Q8Head(nn.Module):
     def __init__(self, q: Tensor, d: Tensor, kernels: str = "auto"):
         super().__init__()
         self.kernels = _ours(*q.shape, kernels)
+        self.wide_bf16 = self.kernels is not None and cpu_kernels.bf16_ok()  # q8_bf16 for wide calls (read /proc once)
         self.planes: tuple[Int4Weight, Int4Weight] | None = None
         if self.kernels is not None:
             self.register_buffer("u", tiled((q.int() + 128).to(torch.uint8), q.shape[1] // (2 * GROUP)))
@@ -238,7 +239,7 @@ class Q8Head(nn.Module):
         says bf16 activations (our kernels on a CPU with AVX-512 BF16 then run the Q8 rows through q8_bf16)."""
         if self.kernels is not None:
             x = x2.float().contiguous()
-            if wide and cpu_kernels.bf16_ok():
+            if wide and self.wide_bf16:
                 return self.kernels.q8_bf16(x, self.u, self.d)
             return self.kernels.q8_i8(x, self.u, self.d, self.mt) if act == "int8" else self.kernels.q8_f32(x, self.u, self.d)
         if width < HEAD_WIDE_ROWS:
