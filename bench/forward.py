@@ -44,14 +44,17 @@ def make_variant(model: torch.nn.Module, spec: str) -> torch.nn.Module:
 
 
 def quantized(model: torch.nn.Module, spec: str) -> torch.nn.Module:
-    """A copy of the bundled dLLM with FASTDLLM_WEIGHTS=mode[@wide_rows][/act] weights (LoRA as its own path;
-    act = FASTDLLM_ACTIVATIONS of our 4-bit kernels, fp32 or int8)."""
+    """A copy of the bundled dLLM with FASTDLLM_WEIGHTS=mode[@wide_rows][/act[/wide_act]] weights (LoRA as its own
+    path; act = FASTDLLM_ACTIVATIONS of our 4-bit kernels, fp32 or int8; wide_act = FASTDLLM_WIDE_ACTIVATIONS, bf16
+    or int8)."""
     from engine.weights import quant
     from engine.weights import BUNDLED_ADAPTER, bundled_base_dir, bundled_gguf_path, read_adapter_tensors
 
-    spec, _, act = spec.partition("/")
+    spec, _, acts = spec.partition("/")
+    act, _, wide_act = acts.partition("/")
     mode, _, wide = spec.partition("@")
-    policy = quant.WeightPolicy(mode, int(wide) if wide else None, act or quant.DEFAULT_ACT)
+    policy = quant.WeightPolicy(mode, int(wide) if wide else None, act or quant.DEFAULT_ACT,
+                                wide_act=wide_act or quant.DEFAULT_WIDE_ACT)
     tensors, scale = read_adapter_tensors(BUNDLED_ADAPTER)
     gguf = quant.cached_gguf(bundled_gguf_path(), model.cfg.num_attention_heads, model.cfg.num_key_value_heads,
                              bundled_base_dir() / "q4_1_blocks.safetensors")

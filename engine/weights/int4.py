@@ -43,6 +43,10 @@ FUSED_MAX_WIDTH = 32  # widest forward the one-call layer step takes (a block st
 OURS_WIDE_ROWS = 2
 TORCH_WIDE_ROWS = 16
 ACTS = ("fp32", "int8")
+# Activations of wide calls with our kernels: bf16 (q4_bf16 / q8_bf16, needs AVX-512 BF16) or int8 per row and
+# 32-group (q4_i8w / q8_i8w: VNNI on a 16-output interleave built per call, engine/weights/csrc/wide_i8.cpp).
+WIDE_ACTS = ("bf16", "int8")
+DEFAULT_WIDE_ACT = "bf16"
 DEFAULT_ACT = "fp32"  # activations of our kernels' narrow calls (README: speed and greedy agreement of both)
 
 
@@ -80,18 +84,20 @@ class Int4Weight(nn.Module):
     (`q4_bf16`, on CPUs with AVX-512 BF16) or, elsewhere, use a dense bf16 copy. Otherwise torch's int4 pack, whose
     kernel wants bf16 scales and zeros (d and m + 8d rounded to bf16), and a dense bf16 copy."""
 
-    def __init__(self, blocks: Q4Blocks, dense_bf16: bool, kernels: str = "auto"):
+    def __init__(self, blocks: Q4Blocks, dense_bf16: bool, kernels: str = "auto", wide_act: str = DEFAULT_WIDE_ACT):
         super().__init__()
         self.out_features, self.in_features = blocks.q.shape
         self.kernels = _ours(self.out_features, self.in_features, kernels)
         self.wide_bf16 = False  # wide calls through q4_bf16 (no dense copy)
+        self.wide_int8 = False  # wide calls through q4_i8w (no dense copy)
         dense = None
         if self.kernels is not None:
             self.register_buffer("qs", pack_pairs(blocks.q))
             self.register_buffer("dm", tiled(torch.stack([blocks.d, blocks.m], -1).half(), self.in_features // GROUP))
             self.register_buffer("mt", blocks.m.t().contiguous().float())
-            self.wide_bf16 = dense_bf16 and cpu_kernels.bf16_ok()
-            if dense_bf16 and not self.wide_bf16:
+            self.wide_int8 = dense_bf16 and wide_act == "int8"
+            self.wide_bf16 = dense_bf16 and not self.wide_int8 and cpu_kernels.bf16_ok()
+            if dense_bf16 and not self.wide_bf16 and not self.wide_int8:
                 dense = blocks.dequantize()
         else:
             self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(blocks.q.int(), 1))
@@ -115,38 +121,56 @@ class Int4Weight(nn.Module):
         return self.kernels.q4_f32(x, self.qs, self.dm)
 
     def wide(self, x: Tensor) -> Tensor:
-        """x [rows, in] -> [rows, out] fp32 with bf16 weights and activations (int4+bf16's wide calls)."""
+        """x [rows, in] -> [rows, out] fp32, int4+bf16's wide calls: bf16 weights and activations, or the 4-bit
+        weights with int8 activations (FASTDLLM_WIDE_ACTIVATIONS=int8)."""
+        if self.wide_int8:
+            return self.kernels.q4_i8w(x.float().contiguous(), self.qs, self.dm)
         if self.wide_bf16:
             return self.kernels.q4_bf16(x.float().contiguous(), self.qs, self.dm)
         return F.linear(x.to(torch.bfloat16), self.dense).float()
 
 
+def exact_weights(t: Tensor, kernels: ModuleType | None) -> Tensor:
+    """`t` as bf16 where our LoRA kernel runs and bf16 holds every value exactly (the adapter file's bf16 weights,
+    B times a power-of-two scale), else fp32: half the bytes a forward streams, the same numbers."""
+    t = t.float().contiguous()
+    if kernels is not None and torch.equal(t.bfloat16().float(), t):
+        return t.bfloat16()
+    return t
+
+
 class LoRA(nn.Module):
     """A fused low-rank delta: h = x A^T for every fused part in one product, then each part's B adds into its own
     slice of the output (no block-diagonal zeros: q|k|v's were 2/3 zeros); the scale is folded into B; parts
-    without an adapter are skipped. fp32, like the residual stream: on this CPU a small bf16 GEMM costs a
-    ~25 us floor (oneDNN), fp32 ones 3-25 us, and the zero-free fp32 path is the fastest we measured (README)."""
+    without an adapter are skipped. With our kernels (`kernels`): one call, `lora_add` (engine/weights/csrc/lora.cpp),
+    the weights as exact as the file (bf16 when it holds them), each row summed on its own; otherwise ATen's fp32
+    products (on this CPU a small bf16 GEMM costs a ~25 us floor in oneDNN, fp32 ones 3-25 us)."""
 
-    def __init__(self, parts: list[tuple[Tensor, Tensor] | None], outs: list[int], scale: float):
+    def __init__(self, parts: list[tuple[Tensor, Tensor] | None], outs: list[int], scale: float,
+                 kernels: ModuleType | None = None):
         super().__init__()
+        self.kernels = kernels
         kept = [(i, p) for i, p in enumerate(parts) if p is not None]
-        self.register_buffer("a_t", torch.cat([p[0].float() for _, p in kept], 0).t().contiguous())
+        self.register_buffer("a_t", exact_weights(torch.cat([p[0].float() for _, p in kept], 0).t(), kernels))
         starts = [sum(outs[:i]) for i in range(len(outs))]
         self.slices: list[tuple[str, int, int, int, int]] = []  # (B buffer, rank start, rank end, out start, out end)
         r0 = 0
         for j, (i, (a, b)) in enumerate(kept):
-            self.register_buffer(f"b_t{j}", (b.float() * scale).t().contiguous())
+            self.register_buffer(f"b_t{j}", exact_weights((b.float() * scale).t(), kernels))
             self.slices.append((f"b_t{j}", r0, r0 + a.shape[0], starts[i], starts[i] + outs[i]))
             r0 += a.shape[0]
         self.whole = len(kept) == 1 and len(outs) == 1
 
     def add_to(self, y: Tensor, x: Tensor) -> Tensor:
         """y [rows, sum outs] += the delta for x [rows, in], in place (both fp32)."""
-        h = x.to(self.a_t.dtype) @ self.a_t
+        if self.kernels is not None and y.dtype == torch.float32 and y.is_contiguous():
+            return self.kernels.lora_add(y, x.float().contiguous(), self.a_t, [self._buffers[b] for b, *_ in self.slices],
+                                         [v for _, *r in self.slices for v in r])
+        h = x.to(torch.float32) @ self.a_t.float()
         if self.whole:
-            return y.addmm_(h, self.b_t0)
+            return y.addmm_(h, self.b_t0.float())
         for b, r0, r1, o0, o1 in self.slices:
-            y[:, o0:o1].addmm_(h[:, r0:r1], self._buffers[b])
+            y[:, o0:o1].addmm_(h[:, r0:r1], self._buffers[b].float())
         return y
 
 
@@ -217,10 +241,12 @@ class Q8Head(nn.Module):
     two int4 products (q = 16 hi + lo; exact but for bf16 scales) below `HEAD_WIDE_ROWS` positions per sequence,
     2x faster than dense bf16 for the AR step, and dense bf16 for wider calls."""
 
-    def __init__(self, q: Tensor, d: Tensor, kernels: str = "auto"):
+    def __init__(self, q: Tensor, d: Tensor, kernels: str = "auto", wide_act: str = DEFAULT_WIDE_ACT):
         super().__init__()
         self.kernels = _ours(*q.shape, kernels)
-        self.wide_bf16 = self.kernels is not None and cpu_kernels.bf16_ok()  # q8_bf16 for wide calls (read /proc once)
+        self.wide_int8 = self.kernels is not None and wide_act == "int8"  # q8_i8w for wide calls
+        # q8_bf16 for wide calls (read /proc once)
+        self.wide_bf16 = self.kernels is not None and not self.wide_int8 and cpu_kernels.bf16_ok()
         self.planes: tuple[Int4Weight, Int4Weight] | None = None
         if self.kernels is not None:
             self.register_buffer("u", tiled((q.int() + 128).to(torch.uint8), q.shape[1] // (2 * GROUP)))
@@ -239,6 +265,8 @@ class Q8Head(nn.Module):
         says bf16 activations (our kernels on a CPU with AVX-512 BF16 then run the Q8 rows through q8_bf16)."""
         if self.kernels is not None:
             x = x2.float().contiguous()
+            if wide and self.wide_int8:
+                return self.kernels.q8_i8w(x, self.u, self.d)
             if wide and self.wide_bf16:
                 return self.kernels.q8_bf16(x, self.u, self.d)
             return self.kernels.q8_i8(x, self.u, self.d, self.mt) if act == "int8" else self.kernels.q8_f32(x, self.u, self.d)
@@ -306,8 +334,10 @@ class LayerStep:
         projs = [attn.qkv, attn.o_proj, mlp.gate_up, mlp.down_proj]
         self.kernels, self.int8 = kernels, act == "int8"
         self.wide_rows = projs[0].wide_rows
-        # widths it takes: below wide_rows; up to a block (FUSED_MAX_WIDTH) when wide calls have q4_bf16
-        self.max_width = FUSED_MAX_WIDTH if all(p.weight.wide_bf16 for p in projs) and self.wide_rows is not None \
+        # widths it takes: below wide_rows; up to a block (FUSED_MAX_WIDTH) when wide calls have q4_bf16 or q4_i8w
+        self.wide_mode = 2 if all(p.weight.wide_int8 for p in projs) else 1  # layer.cpp: 1 = q4_bf16, 2 = q4_i8w
+        self.max_width = FUSED_MAX_WIDTH if all(p.weight.wide_bf16 or p.weight.wide_int8 for p in projs) \
+            and self.wide_rows is not None \
             else (self.wide_rows or FUSED_MAX_WIDTH + 1) - 1
         self.heads, self.kv_heads = attn.h, attn.hkv
         self.norm1, self.norm2 = layer.input_layernorm.weight, layer.post_attention_layernorm.weight
@@ -327,7 +357,7 @@ class LayerStep:
 
     def __call__(self, x: Tensor, cache_k: Tensor, cache_v: Tensor, shared: tuple[Tensor, Tensor, Tensor, Tensor]) -> Tensor:
         cos, sin, pos, mask = shared
-        wide = self.wide_rows is not None and x.shape[1] >= self.wide_rows
+        wide = self.wide_mode if self.wide_rows is not None and x.shape[1] >= self.wide_rows else 0
         return self.kernels.layer_step(x, self.norm1, self.norm2, self.eps, self.weights, self.lora_a, self.lora_b,
                                        self.slices, self.int8, wide, self.heads, self.kv_heads, cos, sin, cache_k,
                                        cache_v, pos, mask, self.qkv_bias)

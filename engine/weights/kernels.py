@@ -16,7 +16,7 @@ from types import ModuleType
 log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = [CSRC / "q4.cpp", CSRC / "layer.cpp"]  # + q4.h
+SOURCES = [CSRC / "q4.cpp", CSRC / "wide_i8.cpp", CSRC / "lora.cpp", CSRC / "layer.cpp"]  # + q4.h
 NEEDS = ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "f16c", "fma")
 FLAGS = ["-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni", "-mf16c", "-mfma"]
 CHOICES = ("auto", "ours", "torch")

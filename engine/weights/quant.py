@@ -14,7 +14,7 @@ from ..model import CausalLM
 from ..runtime import Runtime
 from . import kernels as cpu_kernels
 from .gguf import GROUP, GGUF_NAMES, GGUFWeights, Q4Blocks, cached_gguf, read_gguf  # noqa: F401 (engine.weights.quant.X)
-from .int4 import (ACTS, DEFAULT_ACT, FUSED_MAX_WIDTH, HEAD_WIDE_ROWS, OURS_WIDE_ROWS, TILE,  # noqa: F401
+from .int4 import (ACTS, DEFAULT_ACT, DEFAULT_WIDE_ACT, FUSED_MAX_WIDTH, WIDE_ACTS, HEAD_WIDE_ROWS, OURS_WIDE_ROWS, TILE,  # noqa: F401
                    TORCH_WIDE_ROWS, DenseBF16Linear, Int4Linear, Int4Weight, LayerStep, LMHead, LoRA, Q8Embedding,
                    Q8Head, pack_pairs, q8_planes, tiled)
 
@@ -28,13 +28,15 @@ DEFAULT_MODE = "int4+bf16"
 class WeightPolicy:
     """Which weights the projections run with: `mode` in MODES; `wide_rows`: int4+bf16's switch point (None: the
     backend's, `switch`); `act`: the activations our 4-bit kernels take below it (fp32, or int8 per 32-group like
-    llama.cpp); `kernels`: FASTDLLM_KERNELS' choice; `fused`: one C++ call per decoder layer where it fits."""
+    llama.cpp); `kernels`: FASTDLLM_KERNELS' choice; `fused`: one C++ call per decoder layer where it fits;
+    `wide_act`: the activations of int4+bf16's wide calls on our kernels (bf16, or int8 per 32-group on VNNI)."""
 
     mode: str = DEFAULT_MODE
     wide_rows: int | None = None
     act: str = DEFAULT_ACT
     kernels: str = "auto"
     fused: bool = True
+    wide_act: str = DEFAULT_WIDE_ACT
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -43,11 +45,14 @@ class WeightPolicy:
             raise ValueError(f"FASTDLLM_INT4_WIDE_ROWS: {self.wide_rows} must be >= 2")
         if self.act not in ACTS:
             raise ValueError(f"FASTDLLM_ACTIVATIONS: {self.act!r} is not one of {', '.join(ACTS)}")
+        if self.wide_act not in WIDE_ACTS:
+            raise ValueError(f"FASTDLLM_WIDE_ACTIVATIONS: {self.wide_act!r} is not one of {', '.join(WIDE_ACTS)}")
         cpu_kernels.check(self.kernels)
 
     @classmethod
     def of(cls, runtime: Runtime) -> "WeightPolicy":
-        return cls(runtime.weights, runtime.int4_wide_rows, runtime.activations, runtime.kernels, runtime.fused)
+        return cls(runtime.weights, runtime.int4_wide_rows, runtime.activations, runtime.kernels, runtime.fused,
+                   runtime.wide_activations)
 
     @classmethod
     def from_env(cls) -> "WeightPolicy":
@@ -92,8 +97,8 @@ class QuantizedPair:
         self.w, self.policy = weights, policy
         self._shared: dict[tuple[int, str], nn.Module] = {}
         # shared by the base and the dLLM: the embedding's rows when tied (the bundled GGUF), else the head's own
-        self.head = Q8Head(weights.head_q, weights.head_d, policy.kernels) if weights.head_q is not None \
-            else Q8Head(weights.embed_q, weights.embed_d, policy.kernels)
+        q, d = (weights.head_q, weights.head_d) if weights.head_q is not None else (weights.embed_q, weights.embed_d)
+        self.head = Q8Head(q, d, policy.kernels, policy.wide_act)
 
     def _weight(self, layer: int, key: str) -> nn.Module:
         sub, names = FUSED[key]
@@ -102,7 +107,8 @@ class QuantizedPair:
             if self.policy.mode == "bf16":
                 self._shared[(layer, key)] = DenseBF16Linear(blocks.dequantize(), [])
             else:
-                self._shared[(layer, key)] = Int4Weight(blocks, self.policy.mode == "int4+bf16", self.policy.kernels)
+                self._shared[(layer, key)] = Int4Weight(blocks, self.policy.mode == "int4+bf16", self.policy.kernels,
+                                                       self.policy.wide_act)
         return self._shared[(layer, key)]
 
     def apply(self, model: CausalLM, lora: dict[str, tuple[Tensor, Tensor]] | None = None, lora_scale: float = 1.0,
@@ -116,7 +122,7 @@ class QuantizedPair:
                 splits = [getattr(owner, n).out_features for n in names]  # (not from the blocks: read on use)
                 delta = None
                 if lora is not None and any(f in lora for f in full):
-                    delta = LoRA([lora.get(f) for f in full], splits, lora_scale)
+                    delta = LoRA([lora.get(f) for f in full], splits, lora_scale, self.head.kernels)
                 bias = _fused_bias(owner, names, splits)
                 base = self._weight(i, key)
                 mod: nn.Module = DenseBF16Linear(base.weight, splits, delta, bias) if isinstance(base, DenseBF16Linear) \

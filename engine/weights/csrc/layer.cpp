@@ -1,7 +1,7 @@
 // One decoder layer's cached forward of up to a block (the AR step, dual-cache sub-block steps, block steps) in one call: RMSNorm, q|k|v with
 // our 4-bit kernel (+ the dLLM's LoRA), RoPE, K/V written to the cache, attention over the cached keys, o_proj,
 // residual, RMSNorm, gate|up, SiLU x up, down_proj, residual. `wide` (from engine/quant.py's switch point) runs the
-// products with bf16 activations (q4_bf16), as the eager layers' wide calls do.
+// products with bf16 activations (1: q4_bf16) or int8 ones (2: wide_i8.cpp), as the eager layers' wide calls do.
 //
 // Why: on this CPU an eager layer is ~80 small torch ops (~1-10 us each: dispatch, allocation, a decomposed
 // RMSNorm, SDPA's setup), which cost more than the layer's 4-bit products at one token. Every row (b, t) is
@@ -47,23 +47,17 @@ torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& w, double ep
   return out;
 }
 
-// y = x W^T (+ bias) (+ x A^T B^T per fused part, the dLLM's LoRA: the same ATen products, in the same order, as
-// engine/int4.py's Int4Linear)
-torch::Tensor project(const torch::Tensor& x, const std::vector<torch::Tensor>& wt, int p, bool int8, bool wide,
+// y = x W^T (+ bias) (+ x A^T B^T per fused part, the dLLM's LoRA: lora.cpp, as engine/weights/int4.py's Int4Linear)
+torch::Tensor project(const torch::Tensor& x, const std::vector<torch::Tensor>& wt, int p, bool int8, int64_t wide,
                       const c10::optional<torch::Tensor>& a, const std::vector<torch::Tensor>& b,
                       const std::vector<int64_t>& slices, const c10::optional<torch::Tensor>& bias = c10::nullopt) {
   const torch::Tensor& w = wt[3 * p];
   const torch::Tensor& sc = wt[3 * p + 1];
   const torch::Tensor& mt = wt[3 * p + 2];
-  torch::Tensor y = wide ? q4_bf16(x, w, sc) : int8 ? mm_i8(x, w, sc, mt, false) : mm_f32(x, w, sc, false);
+  torch::Tensor y = wide == 2 ? mm_i8_wide(x, w, sc, false) : wide ? q4_bf16(x, w, sc)
+                    : int8 ? mm_i8(x, w, sc, mt, false) : mm_f32(x, w, sc, false);
   if (bias.has_value()) y = y + *bias;
-  if (a.has_value()) {
-    const torch::Tensor h = at::mm(x, *a);
-    for (size_t s = 0; s < b.size(); ++s) {
-      const int64_t r0 = slices[4 * s], r1 = slices[4 * s + 1], o0 = slices[4 * s + 2], o1 = slices[4 * s + 3];
-      y.narrow(1, o0, o1 - o0).addmm_(h.narrow(1, r0, r1 - r0), b[s]);
-    }
-  }
+  if (a.has_value()) lora_add(y, x.contiguous(), *a, b, slices);
   return y;
 }
 
@@ -200,7 +194,7 @@ void attend_group(const float* qkv, int64_t W, int64_t qcol, int group, int64_t 
 torch::Tensor layer_step(torch::Tensor x, torch::Tensor norm1, torch::Tensor norm2, double eps,
                          std::vector<torch::Tensor> weights, std::vector<c10::optional<torch::Tensor>> lora_a,
                          std::vector<std::vector<torch::Tensor>> lora_b, std::vector<std::vector<int64_t>> lora_slices,
-                         bool int8, bool wide, int64_t heads, int64_t kv_heads, torch::Tensor cos, torch::Tensor sin,
+                         bool int8, int64_t wide, int64_t heads, int64_t kv_heads, torch::Tensor cos, torch::Tensor sin,
                          torch::Tensor cache_k, torch::Tensor cache_v, torch::Tensor pos, torch::Tensor mask,
                          c10::optional<torch::Tensor> qkv_bias) {
   TORCH_CHECK(x.dim() == 3 && x.scalar_type() == torch::kFloat && x.is_contiguous(), "layer_step: x must be fp32 [B, T, H]");

@@ -443,6 +443,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("q4_bf16", &q4_bf16, "x [M,K] fp32 @ Q4 [N,K]^T -> [M,N] fp32, bf16 activations and weights (AVX-512 BF16)");
   m.def("q8_bf16", [](torch::Tensor x, torch::Tensor w, torch::Tensor d) { return mm_bf16(x, w, d, true); },
         "x [M,K] fp32 @ Q8 [N,K]^T -> [M,N] fp32, bf16 activations and weights (AVX-512 BF16)");
+  m.def("q4_i8w", [](torch::Tensor x, torch::Tensor w, torch::Tensor dm) { return mm_i8_wide(x, w, dm, false); },
+        "x [M,K] fp32 @ Q4 [N,K]^T -> [M,N] fp32, int8 activations per 32-group, 16 outputs per vector (wide_i8.cpp)");
+  m.def("q8_i8w", [](torch::Tensor x, torch::Tensor w, torch::Tensor d) { return mm_i8_wide(x, w, d, true); },
+        "x [M,K] fp32 @ Q8 [N,K]^T -> [M,N] fp32, int8 activations per 32-group, 16 outputs per vector (wide_i8.cpp)");
+  m.def("lora_add", &lora_add, "y += (x A^T) B^T per fused part, rows on their own (lora.cpp)");
   m.def("layer_step", &layer_step, "one decoder layer's narrow forward over a KV cache (engine/csrc/layer.cpp)");
   m.def("q4_f32", [](torch::Tensor x, torch::Tensor w, torch::Tensor dm) { return mm_f32(x, w, dm, false); },
         "x [M,K] fp32 @ Q4 [N,K]^T -> [M,N] fp32, fp32 activations");

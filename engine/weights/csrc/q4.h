@@ -8,10 +8,15 @@
 torch::Tensor mm_f32(torch::Tensor x, torch::Tensor w, torch::Tensor sc, bool q8);
 torch::Tensor mm_i8(torch::Tensor x, torch::Tensor w, torch::Tensor sc, torch::Tensor mt, bool q8);
 torch::Tensor q4_bf16(torch::Tensor x, torch::Tensor w, torch::Tensor dm);  // needs AVX-512 BF16
+// wide calls with int8 activations on an interleave built per call (wide_i8.cpp)
+torch::Tensor mm_i8_wide(torch::Tensor x, torch::Tensor w, torch::Tensor sc, bool q8);
+// y += (x A^T) B^T per fused part (lora.cpp); a_t [K, R], b[s] [r1 - r0, o1 - o0] fp32 or bf16; slices (r0, r1, o0, o1)
+torch::Tensor lora_add(torch::Tensor y, torch::Tensor x, torch::Tensor a_t, std::vector<torch::Tensor> b,
+                       std::vector<int64_t> slices);
 
 torch::Tensor layer_step(torch::Tensor x, torch::Tensor norm1, torch::Tensor norm2, double eps,
                          std::vector<torch::Tensor> weights, std::vector<c10::optional<torch::Tensor>> lora_a,
                          std::vector<std::vector<torch::Tensor>> lora_b, std::vector<std::vector<int64_t>> lora_slices,
-                         bool int8, bool wide, int64_t heads, int64_t kv_heads, torch::Tensor cos, torch::Tensor sin,
+                         bool int8, int64_t wide, int64_t heads, int64_t kv_heads, torch::Tensor cos, torch::Tensor sin,
                          torch::Tensor cache_k, torch::Tensor cache_v, torch::Tensor pos, torch::Tensor mask,
                          c10::optional<torch::Tensor> qkv_bias);
