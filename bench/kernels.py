@@ -4,8 +4,9 @@ For each projection shape of the bundled model (fused q|k|v, o, gate|up, down) a
   * torch's int4 weight-only kernel (`_weight_int4pack_mm_for_cpu`, group 32) with bf16 activations: the 4-bit path;
   * dense bf16 and fp32 products (`F.linear`) on the same shape;
   * our kernels (engine/weights/csrc/q4.cpp) where this CPU has them: the 4-bit weights with fp32 activations (`q4_f32`,
-    the engine's narrow calls), int8 ones (`q4_i8`, FASTDLLM_ACTIVATIONS=int8) and bf16 ones (`q4_bf16`, wide
-    calls; AVX-512 BF16), with each kernel's multiply-add rate (GMAC/s);
+    the engine's narrow calls), bf16 ones (`q4_bf16`, wide calls; AVX-512 BF16) and int8 ones per row and 32-group on
+    a 16-output interleave (`q4_i8w`: FASTDLLM_WIDE_ACTIVATIONS=int8's wide calls, FASTDLLM_ACTIVATIONS=int8's
+    narrow ones), with each kernel's multiply-add rate (GMAC/s);
   * the whole model's weights streamed cold: one pass over a weight set larger than the caches, so the dense
     bf16 numbers can be read against DRAM bandwidth (a forward's weights do not stay in cache between forwards).
 Reported as microseconds (median of --repeats, each the mean of --iters calls) and as multiples of the same
@@ -50,7 +51,7 @@ def kernel_table(widths: list[int], iters: int, repeats: int) -> tuple[list[dict
     from engine.runtime import Runtime
 
     ours = cpu_kernels.load(Runtime.from_env().kernels)
-    kinds = ["int4", "bf16", "fp32"] + (["q4_f32", "q4_i8"] if ours is not None else []) \
+    kinds = ["int4", "bf16", "fp32"] + (["q4_f32", "q4_i8w"] if ours is not None else []) \
         + (["q4_bf16"] if ours is not None and cpu_kernels.bf16_ok() else [])
     rows = []
     for name, (out, inp) in SHAPES.items():
@@ -63,15 +64,14 @@ def kernel_table(widths: list[int], iters: int, repeats: int) -> tuple[list[dict
             qs = pack_pairs(q.to(torch.uint8))
             d, m = torch.rand(out, inp // GROUP) * 0.01, -torch.rand(out, inp // GROUP) * 0.08
             dm = tiled(torch.stack([d, m], -1).half(), inp // GROUP)
-            mt = m.half().float().t().contiguous()
         for k in widths:
             x32 = torch.randn(k, inp)
             x16 = x32.bfloat16()
             fns = {"int4": lambda: torch.ops.aten._weight_int4pack_mm_for_cpu(x16, packed, GROUP, sz),
                    "bf16": lambda: F.linear(x16, w16), "fp32": lambda: F.linear(x32, w32)}
             if ours is not None:
-                fns.update({"q4_f32": lambda: ours.q4_f32(x32, qs, dm), "q4_i8": lambda: ours.q4_i8(x32, qs, dm, mt),
-                            "q4_bf16": lambda: ours.q4_bf16(x32, qs, dm)})
+                fns.update({"q4_f32": lambda: ours.q4_f32(x32, qs, dm),
+                            "q4_bf16": lambda: ours.q4_bf16(x32, qs, dm), "q4_i8w": lambda: ours.q4_i8w(x32, qs, dm)})
             row: dict[str, Any] = {"shape": name, "out": out, "in": inp, "k": k}
             for kind in kinds:
                 row[f"{kind}_us"] = _time(fns[kind], iters, repeats)
@@ -110,7 +110,7 @@ def main(args: argparse.Namespace) -> int:
           + (f" · cold bf16 weight streaming {gbps:.1f} GB/s" if gbps else ""))
     cell = lambda r, kind: f"{r[kind + '_us']:.1f} ({r[f'{kind}_x_k{widths[0]}']:.2f}x)"  # noqa: E731
     heads = {"int4": "int4 us (x k1)", "bf16": "dense bf16 us", "fp32": "dense fp32 us", "q4_f32": "ours fp32-act us",
-             "q4_i8": "ours int8-act us", "q4_bf16": "ours bf16 us"}
+             "q4_bf16": "ours bf16 us", "q4_i8w": "ours int8-act us"}
     print(table([{"shape": r["shape"], "k": r["k"], **{kind: cell(r, kind) for kind in kinds}} for r in rows],
                 [("shape", "shape"), ("k", "rows k"), *((kind, heads[kind]) for kind in kinds)]))
     if args.out:

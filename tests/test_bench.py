@@ -311,7 +311,7 @@ def test_kernels_bench_times_each_projection_shape_and_width(tmp_path, capsys):
     from engine.weights import kernels as cpu_kernels
 
     ours = all(f in cpu_kernels.cpu_flags() for f in cpu_kernels.NEEDS)
-    assert rep["kinds"][:3] == ["int4", "bf16", "fp32"] and ("q4_f32" in rep["kinds"]) == ours
+    assert rep["kinds"][:3] == ["int4", "bf16", "fp32"] and ("q4_f32" in rep["kinds"]) == ours == ("q4_i8w" in rep["kinds"])
     assert ("q4_bf16" in rep["kinds"]) == (ours and cpu_kernels.bf16_ok()) and (not ours or "ours fp32-act us" in out)
     for r in rep["rows"]:
         base = next(b for b in rep["rows"] if b["shape"] == r["shape"] and b["k"] == 1)

@@ -128,9 +128,9 @@ def test_our_kernels_match_the_dequantised_weights_row_by_row(gguf, monkeypatch)
     cases = []
     for blocks, ref_w in zip((down, qkv), refs):
         w = quant.Int4Weight(blocks, dense_bf16=False)
-        cases.append((ref_w, lambda x, w=w: k.q4_f32(x, w.qs, w.dm), lambda x, w=w: k.q4_i8(x, w.qs, w.dm, w.mt)))
+        cases.append((ref_w, lambda x, w=w: k.q4_f32(x, w.qs, w.dm), lambda x, w=w: k.q4_i8w(x, w.qs, w.dm)))
     head = quant.Q8Head(head_q, head_d)
-    cases.append((head_w, lambda x: k.q8_f32(x, head.u, head.d), lambda x: k.q8_i8(x, head.u, head.d, head.mt)))
+    cases.append((head_w, lambda x: k.q8_f32(x, head.u, head.d), lambda x: k.q8_i8w(x, head.u, head.d)))
     threads = torch.get_num_threads()
     try:
         for ref_w, f32, i8 in cases:
@@ -158,6 +158,96 @@ def test_our_kernels_match_the_dequantised_weights_row_by_row(gguf, monkeypatch)
         cpu_kernels.load("fast")
 
 
+@needs_ours
+def test_wide_int8_kernels_on_the_interleave(gguf):
+    """engine/weights/csrc/wide_i8.cpp (FASTDLLM_WIDE_ACTIVATIONS=int8, FASTDLLM_ACTIVATIONS=int8): on the real Q4_1 /
+    Q8_0 weights, the exact product of the rows quantised per 32-group to int8 (up to fp32 summation), within
+    llama.cpp-like error of the fp32 product; every row equals itself computed alone at any row count (register
+    chunks of 8 rows) and thread count; output counts that are not a multiple of 16 (a tail block) too."""
+    k = cpu_kernels.load("ours")
+    down = gguf.q4["model.layers.5.mlp.down_proj"]  # K = 1536
+    qkv = quant._fused_blocks(gguf, 7, "self_attn", ("q_proj", "k_proj", "v_proj"))  # 960 outputs
+    small = _small_blocks(44, 128)  # 44 outputs: two blocks of 16 and a tail of 12
+    cases = []
+    for blocks in (down, qkv, small):
+        w = quant.Int4Weight(blocks, dense_bf16=False)
+        cases.append((blocks.dequantize(), lambda x, w=w: k.q4_i8w(x, w.qs, w.dm)))
+    for q, d in ((gguf.embed_q[:8192], gguf.embed_d[:8192]), (gguf.embed_q[:20], gguf.embed_d[:20])):  # 20: a tail of 4
+        head = quant.Q8Head(q, d)
+        ref_w = (q.float().view(q.shape[0], -1, 32) * d.half().float()[..., None]).flatten(1)
+        cases.append((ref_w, lambda x, h=head: k.q8_i8w(x, h.u, h.d)))
+    threads = torch.get_num_threads()
+    try:
+        for ref_w, wide in cases:
+            x = torch.randn(19, ref_w.shape[1]) * torch.rand(1, ref_w.shape[1]) * 3  # uneven feature scales
+            ref = x.double() @ ref_w.double().T
+            y = wide(x)
+            assert (y.double() - ref).abs().max() / ref.abs().max() < 2e-2
+            # the int8 rows exactly as the kernel makes them (fp32: d = amax / 127, q = round-to-even(x * (1 / d)))
+            g = x.view(19, -1, 32)
+            d = g.abs().amax(-1, keepdim=True) / 127
+            xq = torch.round(g * torch.where(d > 0, 1 / d, torch.zeros_like(d))) * d
+            exact = xq.flatten(1).double() @ ref_w.double().T  # sum_g d_w d_x sum(q_w q_x) + m_w d_x sum(q_x), in fp64
+            assert (y.double() - exact).abs().max() / ref.abs().max() < 1e-5
+            for t in (1, 2):
+                torch.set_num_threads(t)
+                for rows in (1, 3, 8, 9, 17):
+                    torch.testing.assert_close(wide(x[:rows].contiguous()), y[:rows], atol=0, rtol=0)
+                torch.testing.assert_close(wide(x[11:12].contiguous()), y[11:12], atol=0, rtol=0)
+    finally:
+        torch.set_num_threads(threads)
+    w = quant.Int4Weight(down, dense_bf16=False)
+    with pytest.raises(RuntimeError, match="q4_i8w: x has 576 features, the weight 1536"):
+        k.q4_i8w(torch.randn(2, 576), w.qs, w.dm)
+    with pytest.raises(RuntimeError, match="q4_i8w: x must be a contiguous fp32"):
+        k.q4_i8w(torch.randn(2, 1536).double(), w.qs, w.dm)
+    # the switch: wide calls of int4+bf16 run these kernels, with no dense copy, whatever the CPU's bf16 support
+    wide = quant.Int4Weight(down, True, "ours", "int8")
+    assert wide.wide_int8 and not wide.wide_bf16 and wide.dense is None
+    x = torch.randn(9, 1536)
+    assert torch.equal(wide.wide(x), k.q4_i8w(x, wide.qs, wide.dm))
+    head = quant.Q8Head(gguf.embed_q[:64], gguf.embed_d[:64], "ours", "int8")
+    assert head.wide_int8 and not head.wide_bf16
+    x = torch.randn(9, 576)
+    assert torch.equal(head(x, 9, "fp32", wide=True), k.q8_i8w(x, head.u, head.d))
+    assert torch.equal(head(x, 1, "fp32", wide=False), k.q8_f32(x, head.u, head.d))
+
+
+@needs_ours
+def test_lora_kernel_keeps_the_files_weights_and_sums_each_row_alone():
+    """engine/weights/csrc/lora.cpp: the adapter's delta in one call, with its weights as exact as the file (bf16 where
+    bf16 holds them, B times a power-of-two scale included; fp32 otherwise), equal to ATen's fp32 products up to
+    summation order, each row the same whatever rows are beside it; a slice that does not fit is refused."""
+    k = cpu_kernels.load("ours")
+    g = torch.Generator().manual_seed(11)
+    outs = [576, 192, 192, 40]  # 40: a partial 32-output chunk
+    parts = [((torch.randn(32, 576, generator=g) * 0.05).bfloat16(), (torch.randn(o, 32, generator=g) * 0.05).bfloat16())
+             for o in outs]
+    parts[1] = None  # a part without an adapter
+    threads = torch.get_num_threads()
+    try:
+        for scale, b_dtype in ((2.0, torch.bfloat16), (0.3, torch.float32)):
+            ours, aten = quant.LoRA(parts, outs, scale, k), quant.LoRA(parts, outs, scale)
+            assert ours.a_t.dtype == torch.bfloat16 and ours.b_t0.dtype == b_dtype and aten.a_t.dtype == torch.float32
+            x, y0 = torch.randn(19, 576, generator=g), torch.randn(19, sum(outs), generator=g)
+            want = aten.add_to(y0.clone(), x)
+            got = ours.add_to(y0.clone(), x)
+            assert float((got - want).abs().max()) < 1e-5 * float(want.abs().max())
+            assert torch.equal(got[:, 576:768], y0[:, 576:768])  # the part without an adapter is untouched
+            for t in (1, 2):
+                torch.set_num_threads(t)
+                for rows in (1, 3, 8, 9, 17):
+                    assert torch.equal(ours.add_to(y0[:rows].clone(), x[:rows].contiguous()), got[:rows])
+    finally:
+        torch.set_num_threads(threads)
+    fp32_a = quant.LoRA([(torch.randn(4, 64, generator=g), torch.randn(8, 4, generator=g))], [8], 1.0, k)
+    assert fp32_a.a_t.dtype == torch.float32  # an fp32 adapter's values that bf16 cannot hold stay fp32
+    with pytest.raises(RuntimeError, match="slice 0 does not fit"):
+        k.lora_add(torch.zeros(2, 8), torch.randn(2, 64), fp32_a.a_t, [fp32_a.b_t0], [0, 4, 4, 12])
+    with pytest.raises(RuntimeError, match="A\\^T has 64 inputs, x 32"):
+        k.lora_add(torch.zeros(2, 8), torch.randn(2, 32), fp32_a.a_t, [fp32_a.b_t0], [0, 4, 0, 8])
+
+
 def test_weight_policy_errors_name_the_setting(monkeypatch):
     monkeypatch.setenv("FASTDLLM_WEIGHTS", "int3")
     with pytest.raises(ValueError, match="FASTDLLM_WEIGHTS.*int4\\+bf16, int4, bf16, fp32"):
@@ -176,6 +266,12 @@ def test_weight_policy_errors_name_the_setting(monkeypatch):
     monkeypatch.setenv("FASTDLLM_ACTIVATIONS", "int4")
     with pytest.raises(ValueError, match="FASTDLLM_ACTIVATIONS.*fp32, int8"):
         quant.WeightPolicy.from_env()
+    monkeypatch.delenv("FASTDLLM_ACTIVATIONS")
+    monkeypatch.setenv("FASTDLLM_WIDE_ACTIVATIONS", "fp8")
+    with pytest.raises(ValueError, match="FASTDLLM_WIDE_ACTIVATIONS.*bf16, int8"):
+        quant.WeightPolicy.from_env()
+    monkeypatch.setenv("FASTDLLM_WIDE_ACTIVATIONS", "int8")
+    assert quant.WeightPolicy.from_env().wide_act == "int8"
 
 
 @pytest.mark.timeout(600)  # a second engine load and batched 4-bit decodes
@@ -215,6 +311,13 @@ def test_default_engine_runs_the_gguf_4bit_weights_and_decodes_like_fp32(engine,
     cfg = q.decode_config(mode="ar", max_new_tokens=16, temperature=0.0)
     batch = [r.summary.token_ids for r in q.generate(prompts, cfg, record=False)]
     assert batch == [q.generate(p, cfg, record=False)[0].summary.token_ids for p in prompts]
+    # and diffusion's, block and dual cache: every row also gets its single-user forwards there (rows grouped by
+    # width), and our kernels' LoRA (lora.cpp) sums each row on its own (ATen's small GEMMs did not)
+    if HAS_OURS:
+        for cache in ("block", "dual"):
+            cfg = q.decode_config(mode="diffusion", cache=cache, max_new_tokens=16, temperature=0.0)
+            batch = [r.summary.token_ids for r in q.generate(prompts, cfg, record=False)]
+            assert batch == [q.generate(p, cfg, record=False)[0].summary.token_ids for p in prompts], cache
 
 
 def test_q8_lm_head_both_backends(gguf, kernels):
@@ -258,7 +361,15 @@ def test_one_call_layer_step_matches_the_eager_layers(monkeypatch):
     # <= 0.4 %): the adapter's LoRA path amplifies the bf16 rounding over random ids, on either kernel. One bound for
     # both CPUs; the greedy answers below are the quality check
     bf16_block_tol = 6e-2
-    for switch, tol_narrow, tol_wide in (("33", 1e-4, 1e-4), (None, 5e-3, bf16_block_tol)):
+    # int8 wide activations (wide_i8.cpp) in both paths: the same kernels, only attention's order differs, but a
+    # rounding step of the int8 rows is coarser than bf16's, so the 31-wide prefill's K/V move the AR step by up to
+    # ~1.4 % of the largest logit and the dLLM's block step by 8.4 % (measured; the LoRA path amplifies it, as above).
+    # The kernels themselves are checked row by row in test_wide_int8_kernels_on_the_interleave; here, that the
+    # fused step runs them (wide_mode) and stays near the eager layers. The default (bf16) runs last: the engine the
+    # answers below compare.
+    for switch, wide_act, tol_narrow, tol_wide in (("33", "bf16", 1e-4, 1e-4), (None, "int8", 3e-2, 1.2e-1),
+                                                   (None, "bf16", 5e-3, bf16_block_tol)):
+        monkeypatch.setenv("FASTDLLM_WIDE_ACTIVATIONS", wide_act)
         if switch is None:
             monkeypatch.delenv("FASTDLLM_INT4_WIDE_ROWS", raising=False)
         else:
@@ -269,8 +380,8 @@ def test_one_call_layer_step_matches_the_eager_layers(monkeypatch):
             assert model.steps is not None and len(model.steps) == model.cfg.num_hidden_layers
             # up to a block when the CPU has AVX-512 BF16 (q4_bf16 wide calls); otherwise below the fp32/bf16 switch
             # (this test ran on an Intel Xeon without avx512_bf16 as well as on Zen 4)
-            wide = quant.FUSED_MAX_WIDTH if cpu_kernels.bf16_ok() else model.steps[0].wide_rows - 1
-            assert model.steps[0].max_width == wide
+            wide = quant.FUSED_MAX_WIDTH if cpu_kernels.bf16_ok() or wide_act == "int8" else model.steps[0].wide_rows - 1
+            assert model.steps[0].max_width == wide and model.steps[0].wide_mode == (2 if wide_act == "int8" else 1)
             assert model.steps[0].wide_rows == (quant.OURS_WIDE_ROWS if switch is None else int(switch))
             ids = torch.randint(0, 2000, (2, 72), generator=torch.Generator().manual_seed(7))
             pos = torch.arange(72)[None].expand(2, 72)
@@ -288,7 +399,8 @@ def test_one_call_layer_step_matches_the_eager_layers(monkeypatch):
             for fused, eager in zip(*outs):
                 err = float((fused - eager).abs().max() / eager.abs().max())
                 assert err < (tol_wide if fused.shape[1] >= model.steps[0].wide_rows else tol_narrow), \
-                    (switch, fused.shape, err)
+                    (switch, wide_act, fused.shape, err)
+    monkeypatch.delenv("FASTDLLM_WIDE_ACTIVATIONS")
     # The engine's key counts are whole 32-key quanta; the step also takes any count: 75 keys (a partial last
     # 16-key tile) give exactly what the same keys padded to 80 with the extra 5 masked give.
     m = q.lm.dllm
@@ -534,7 +646,6 @@ def test_int4_weight_on_small_blocks(kernels):
     if kernels == "ours":
         assert torch.equal(w.qs, pack_pairs(blocks.q))
         assert torch.equal(w.dm, tiled(torch.stack([blocks.d, blocks.m], -1).half(), 4)) and w.dm.dtype == torch.float16
-        assert torch.equal(w.mt, blocks.m.t()) and w.mt.is_contiguous()
         assert w.wide_bf16 == cpu_kernels.bf16_ok() and (w.dense is None) == w.wide_bf16
         assert rel(w.narrow(x, "fp32")) < 1e-6 and rel(w.narrow(x, "int8")) < 2e-2
         if w.dense is not None:
@@ -632,7 +743,7 @@ def test_q8_head_embedding_and_planes_on_small_rows(kernels):
         from engine.weights.int4 import tiled
 
         assert torch.equal(head.u, tiled((q.int() + 128).to(torch.uint8), 2)) and head.weight is None
-        assert torch.equal(head.d, tiled(d.half(), 4)) and torch.equal(head.mt, (-128 * d).t())
+        assert torch.equal(head.d, tiled(d.half(), 4))
     else:
         assert head.kernels is None and torch.equal(head.weight, exact.bfloat16())
     extra = torch.randn(2, 128, generator=g)

@@ -4,9 +4,10 @@ kept as stored.
 A Q4_1 block stores 32 weights as q in 0..15 with an fp16 scale d and minimum m: w = d*q + m. Two backends:
 * ours (engine/weights/kernels.py, engine/weights/csrc/; CPUs with AVX-512 VNNI and a C++ compiler): narrow calls multiply
   the file's q, d, m with fp32 activations (the fp32 path's numbers up to summation order) or, with
-  FASTDLLM_ACTIVATIONS=int8, int8 ones per 32-group (VNNI); wide calls dequantise tiles to bf16 in L1
-  (q4_bf16, AVX-512 BF16) or use a dense bf16 copy; the head keeps its Q8_0 rows as stored (wide calls: q8_bf16); and
-  `LayerStep` runs a whole decoder layer of a cached forward (up to a block) in one C++ call.
+  FASTDLLM_ACTIVATIONS=int8, int8 ones per 32-group (VNNI, q4_i8w); wide calls dequantise tiles to bf16 in L1
+  (q4_bf16, AVX-512 BF16; elsewhere a dense bf16 copy) or, with FASTDLLM_WIDE_ACTIVATIONS=int8, run q4_i8w too;
+  the head keeps its Q8_0 rows as stored (q8_f32 / q8_bf16 / q8_i8w alike); the adapter's LoRA is one call
+  (lora_add); and `LayerStep` runs a whole decoder layer of a cached forward (up to a block) in one C++ call.
 * torch (fallback, or FASTDLLM_KERNELS=torch): w = d*(q - 8) + (m + 8d) is torch's int4 weight-only format with
   group size 32 (`aten._weight_int4pack_mm_for_cpu`), bf16 activations and scales; a dense bf16 copy for wide
   calls; the Q8_0 head as two int4 planes (q = 16 hi + lo) below HEAD_WIDE_ROWS positions, dense bf16 above.
@@ -79,10 +80,10 @@ def _ours(n: int, k: int, choice: str) -> ModuleType | None:
 class Int4Weight(nn.Module):
     """One (fused) projection's base weight, 4-bit, and what wide calls run (int4+bf16).
 
-    With our kernels (engine/weights/kernels.py): the file's q, d, m as they are (`qs` nibble pairs, `dm` fp16, `mt` =
-    m as fp32 [groups, out] for the int8-activation path); wide calls dequantise tiles to bf16 on the fly
-    (`q4_bf16`, on CPUs with AVX-512 BF16) or, elsewhere, use a dense bf16 copy. Otherwise torch's int4 pack, whose
-    kernel wants bf16 scales and zeros (d and m + 8d rounded to bf16), and a dense bf16 copy."""
+    With our kernels (engine/weights/kernels.py): the file's q, d, m as they are (`qs` nibble pairs, `dm` fp16); wide
+    calls dequantise tiles to bf16 on the fly (`q4_bf16`, on CPUs with AVX-512 BF16; elsewhere a dense bf16 copy) or
+    take int8 activations (`q4_i8w`, `wide_act` "int8"). Otherwise torch's int4 pack, whose kernel wants bf16 scales
+    and zeros (d and m + 8d rounded to bf16), and a dense bf16 copy."""
 
     def __init__(self, blocks: Q4Blocks, dense_bf16: bool, kernels: str = "auto", wide_act: str = DEFAULT_WIDE_ACT):
         super().__init__()
@@ -94,7 +95,6 @@ class Int4Weight(nn.Module):
         if self.kernels is not None:
             self.register_buffer("qs", pack_pairs(blocks.q))
             self.register_buffer("dm", tiled(torch.stack([blocks.d, blocks.m], -1).half(), self.in_features // GROUP))
-            self.register_buffer("mt", blocks.m.t().contiguous().float())
             self.wide_int8 = dense_bf16 and wide_act == "int8"
             self.wide_bf16 = dense_bf16 and not self.wide_int8 and cpu_kernels.bf16_ok()
             if dense_bf16 and not self.wide_bf16 and not self.wide_int8:
@@ -117,7 +117,7 @@ class Int4Weight(nn.Module):
                                                               self.scale_zero).float()
         x = x.float().contiguous()
         if act == "int8":
-            return self.kernels.q4_i8(x, self.qs, self.dm, self.mt)
+            return self.kernels.q4_i8w(x, self.qs, self.dm)
         return self.kernels.q4_f32(x, self.qs, self.dm)
 
     def wide(self, x: Tensor) -> Tensor:
@@ -236,8 +236,9 @@ def q8_planes(q: Tensor, d: Tensor) -> tuple[Q4Blocks, Q4Blocks]:
 class Q8Head(nn.Module):
     """The tied Q8_0 LM head's weights, shared by the base and the dLLM.
 
-    With our kernels: as stored (q + 128 as uint8, fp16 d): fp32 or int8 activations, or bf16 ones for the wide calls
-    of int4+bf16 (q8_bf16, on CPUs with AVX-512 BF16; fp32 elsewhere). Otherwise
+    With our kernels: as stored (q + 128 as uint8, fp16 d): fp32 or int8 activations, and for the wide calls of
+    int4+bf16 int8 ones (q8_i8w, `wide_act` "int8") or bf16 ones (q8_bf16, on CPUs with AVX-512 BF16; fp32
+    elsewhere). Otherwise
     two int4 products (q = 16 hi + lo; exact but for bf16 scales) below `HEAD_WIDE_ROWS` positions per sequence,
     2x faster than dense bf16 for the AR step, and dense bf16 for wider calls."""
 
@@ -251,7 +252,6 @@ class Q8Head(nn.Module):
         if self.kernels is not None:
             self.register_buffer("u", tiled((q.int() + 128).to(torch.uint8), q.shape[1] // (2 * GROUP)))
             self.register_buffer("d", tiled(d.half(), d.shape[1]))
-            self.register_buffer("mt", (-128 * d.half().float()).t().contiguous())
             self.register_buffer("weight", None)
         else:
             hi, lo = q8_planes(q, d)
@@ -262,14 +262,14 @@ class Q8Head(nn.Module):
 
     def forward(self, x2: Tensor, width: int, act: str, wide: bool = False) -> Tensor:
         """x2 [rows, hidden] -> fp32 logits; `width` = positions per sequence; `wide`: the caller's int4+bf16 switch
-        says bf16 activations (our kernels on a CPU with AVX-512 BF16 then run the Q8 rows through q8_bf16)."""
+        says wide activations (our kernels then run the Q8 rows through q8_i8w, or q8_bf16 on AVX-512 BF16)."""
         if self.kernels is not None:
             x = x2.float().contiguous()
             if wide and self.wide_int8:
                 return self.kernels.q8_i8w(x, self.u, self.d)
             if wide and self.wide_bf16:
                 return self.kernels.q8_bf16(x, self.u, self.d)
-            return self.kernels.q8_i8(x, self.u, self.d, self.mt) if act == "int8" else self.kernels.q8_f32(x, self.u, self.d)
+            return self.kernels.q8_i8w(x, self.u, self.d) if act == "int8" else self.kernels.q8_f32(x, self.u, self.d)
         if width < HEAD_WIDE_ROWS:
             hi, lo = self.planes
             return hi.narrow(x2, "fp32") + lo.narrow(x2, "fp32")
@@ -342,7 +342,7 @@ class LayerStep:
         self.heads, self.kv_heads = attn.h, attn.hkv
         self.norm1, self.norm2 = layer.input_layernorm.weight, layer.post_attention_layernorm.weight
         self.eps = layer.input_layernorm.eps
-        self.weights = [t for p in projs for t in (p.weight.qs, p.weight.dm, p.weight.mt)]
+        self.weights = [t for p in projs for t in (p.weight.qs, p.weight.dm)]
         self.lora_a = [p.lora.a_t if p.lora is not None else None for p in projs]
         self.lora_b = [[p.lora._buffers[b] for b, *_ in p.lora.slices] if p.lora is not None else [] for p in projs]
         self.slices = [[v for _, *r in p.lora.slices for v in r] if p.lora is not None else [] for p in projs]

@@ -170,16 +170,12 @@ def quantize_checkpoint_model(model: CausalLM, weights: GGUFWeights, policy: Wei
 
 def narrow_bytes(model: CausalLM) -> int | None:
     """Bytes a narrow (AR) forward of a 4-bit model streams: 4-bit blocks, scales, LoRA, norms, the Q8 head;
-    not the dense bf16 copies that only wide calls read (nor m as fp32, which only int8 activations read).
-    None for a model without 4-bit weights."""
+    not the dense bf16 copies that only wide calls read. None for a model without 4-bit weights."""
     mods = [m for m in model.modules() if isinstance(m, (Int4Weight, Q8Head, Q8Embedding, DenseBF16Linear))]
     if not any(isinstance(m, Int4Weight) for m in mods):
         return None
-    int8 = any(getattr(m, "act", None) == "int8" for m in model.modules())
     skip = {id(m.dense) for m in mods if isinstance(m, Int4Weight) and m.dense is not None}
     skip |= {id(m.weight) for m in mods if isinstance(m, Q8Head) and m.weight is not None}
-    if not int8:
-        skip |= {id(m.mt) for m in mods if isinstance(m, (Int4Weight, Q8Head)) and m.kernels is not None}
     skip |= {id(m.q) for m in mods if isinstance(m, Q8Embedding)}  # a lookup reads only its rows
     seen: set[int] = set()
     total = 0

@@ -51,11 +51,9 @@ torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& w, double ep
 torch::Tensor project(const torch::Tensor& x, const std::vector<torch::Tensor>& wt, int p, bool int8, int64_t wide,
                       const c10::optional<torch::Tensor>& a, const std::vector<torch::Tensor>& b,
                       const std::vector<int64_t>& slices, const c10::optional<torch::Tensor>& bias = c10::nullopt) {
-  const torch::Tensor& w = wt[3 * p];
-  const torch::Tensor& sc = wt[3 * p + 1];
-  const torch::Tensor& mt = wt[3 * p + 2];
-  torch::Tensor y = wide == 2 ? mm_i8_wide(x, w, sc, false) : wide ? q4_bf16(x, w, sc)
-                    : int8 ? mm_i8(x, w, sc, mt, false) : mm_f32(x, w, sc, false);
+  const torch::Tensor& w = wt[2 * p];
+  const torch::Tensor& sc = wt[2 * p + 1];
+  torch::Tensor y = wide == 1 ? q4_bf16(x, w, sc) : wide == 2 || int8 ? mm_i8_wide(x, w, sc, false) : mm_f32(x, w, sc, false);
   if (bias.has_value()) y = y + *bias;
   if (a.has_value()) lora_add(y, x.contiguous(), *a, b, slices);
   return y;
@@ -198,7 +196,7 @@ torch::Tensor layer_step(torch::Tensor x, torch::Tensor norm1, torch::Tensor nor
                          torch::Tensor cache_k, torch::Tensor cache_v, torch::Tensor pos, torch::Tensor mask,
                          c10::optional<torch::Tensor> qkv_bias) {
   TORCH_CHECK(x.dim() == 3 && x.scalar_type() == torch::kFloat && x.is_contiguous(), "layer_step: x must be fp32 [B, T, H]");
-  TORCH_CHECK(weights.size() == 12 && lora_a.size() == 4 && lora_b.size() == 4 && lora_slices.size() == 4,
+  TORCH_CHECK(weights.size() == 8 && lora_a.size() == 4 && lora_b.size() == 4 && lora_slices.size() == 4,
               "layer_step: 4 projections (q|k|v, o, gate|up, down)");
   const int64_t B = x.size(0), T = x.size(1), H = x.size(2), M = B * T, D = cos.size(1);
   const int64_t n = mask.size(2), group = heads / kv_heads;

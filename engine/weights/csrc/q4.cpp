@@ -10,14 +10,13 @@
 // (g, g + 1), and per pair the tile's 4 rows side by side:
 //   Q4: w [N/4, G/2, 4, 32] bytes, byte b = q_g[b] | q_{g+1}[b] << 4 (q in 0..15, w = d*q + m);
 //   Q8: w [N/4, G/2, 4, 64] bytes, u = q + 128 in 0..255 (w = d*q = d*u - 128 d, i.e. m = -128 d).
-//   Scales fp16 [N/4, G, 4] (d) or [N/4, G, 4, 2] (d, m); mt = m as fp32 [G, N] for the int8 path.
+//   Scales fp16 [N/4, G, 4] (d) or [N/4, G, 4, 2] (d, m).
 //
 //   *_f32: fp32 activations, weights dequantised in registers: the fp32 path's numbers up to summation order.
 //          Calls of more rows dequantise each tile once into L1 (f32_unpack_tile) for all of them: the same numbers.
 //   q4_bf16, q8_bf16: wide calls (AVX-512 BF16): tiles dequantised to bf16 once per call, bf16 activations (a dense
 //          bf16 copy's numbers, from the quantised stream).
-//   *_i8:  activations quantised per row and 32-group to int8 (like llama.cpp's Q8_1); integer dot products with
-//          AVX-512 VNNI (vpdpbusd, 64 multiply-adds per instruction): faster, further from fp32 (opt-in).
+//   int8 activations (per row and 32-group, like llama.cpp's Q8_1; VNNI): wide_i8.cpp, on a 16-output interleave.
 #include "q4.h"
 
 #include <ATen/Parallel.h>
@@ -155,98 +154,6 @@ void f32_rows(const float* buf, const float* x, int64_t K, int64_t n0, float* y,
     for (int i = 0; i < MB; ++i) y[i * ldy + n0 + j] = _mm512_reduce_add_ps(acc[j][i]);
 }
 
-// ---- int8 activations (VNNI) -------------------------------------------------------------------------------------
-
-struct QuantX {
-  torch::Tensor q;    // int8 [M, K]
-  torch::Tensor dxv;  // fp32 [M, G/2, 16]: per pair, lanes 0-7 = d_x of group g, 8-15 = of g + 1
-  torch::Tensor sx;   // fp32 [M, G]: d_x * sum(q_x) per group (multiplies the weights' minimum m)
-};
-
-QuantX quantize_rows(const torch::Tensor& x) {
-  const int64_t M = x.size(0), K = x.size(1), G = K / kGroup;
-  QuantX r{torch::empty({M, K}, x.options().dtype(torch::kChar)), torch::empty({M, G / 2, 16}, x.options()),
-           torch::empty({M, G}, x.options())};
-  const float* xp = x.data_ptr<float>();
-  int8_t* q = r.q.data_ptr<int8_t>();
-  float* dxv = r.dxv.data_ptr<float>();
-  float* sx = r.sx.data_ptr<float>();
-  for (int64_t i = 0; i < M; ++i)
-    for (int64_t g = 0; g < G; ++g) {
-      const float* p = xp + i * K + g * kGroup;
-      const __m512 a = _mm512_loadu_ps(p), b = _mm512_loadu_ps(p + 16);
-      const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
-      const float d = amax / 127.0f;
-      const __m512 inv = _mm512_set1_ps(d > 0 ? 1.0f / d : 0.0f);
-      const __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, inv)), qb = _mm512_cvtps_epi32(_mm512_mul_ps(b, inv));
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(q + i * K + g * kGroup), _mm512_cvtsepi32_epi8(qa));
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(q + i * K + g * kGroup + 16), _mm512_cvtsepi32_epi8(qb));
-      _mm256_storeu_ps(dxv + (i * (G / 2) + g / 2) * 16 + (g % 2) * 8, _mm256_set1_ps(d));
-      sx[i * G + g] = d * static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb)));
-    }
-  return r;
-}
-
-// One 512-bit vpdpbusd covers a pair of groups: lanes 0-7 sum group g, lanes 8-15 group g + 1. The weights' minimum
-// term (m * d_x * sum q_x per group) is added afterwards by add_minimums.
-template <bool Q8, int MB>
-void i8_tile(const int8_t* xq, const float* dxv, const uint8_t* w, const at::Half* sc, int64_t K, int64_t n0, float* y,
-             int64_t ldy) {
-  constexpr int NB = kTile, S = Q8 ? 1 : 2;
-  const int64_t G = K / kGroup, P = G / 2, pair_bytes = Q8 ? 64 : 32;
-  const uint8_t* wt = w + (n0 / kTile) * kTile * P * pair_bytes;
-  alignas(64) float s[kTile * S * kMaxGroups];  // [g][j][S]
-  halves_to_float(sc + (n0 / kTile) * kTile * G * S, kTile * G * S, s);
-  __m512 acc[NB][MB];
-  for (int j = 0; j < NB; ++j)
-    for (int i = 0; i < MB; ++i) acc[j][i] = _mm512_setzero_ps();
-  const __m256i low = _mm256_set1_epi8(15);
-  for (int64_t p = 0; p < P; ++p) {
-    const uint8_t* wp = wt + p * kTile * pair_bytes;
-    _mm_prefetch(reinterpret_cast<const char*>(wp + kAhead), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(wp + kAhead + 64), _MM_HINT_T0);
-    if constexpr (Q8) {
-      _mm_prefetch(reinterpret_cast<const char*>(wp + kAhead + 128), _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(wp + kAhead + 192), _MM_HINT_T0);
-    }
-    __m512i wv[NB];
-    __m512 dw[NB];
-    for (int j = 0; j < NB; ++j) {
-      const float d0 = s[((2 * p) * kTile + j) * S], d1 = s[((2 * p + 1) * kTile + j) * S];
-      dw[j] = _mm512_insertf32x8(_mm512_set1_ps(d0), _mm256_set1_ps(d1), 1);
-      if constexpr (Q8) {
-        wv[j] = _mm512_loadu_si512(wp + j * 64);
-      } else {
-        const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp + j * 32));
-        wv[j] = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(b, low)),
-                                   _mm256_and_si256(_mm256_srli_epi16(b, 4), low), 1);
-      }
-    }
-    for (int i = 0; i < MB; ++i) {
-      const __m512i xv = _mm512_loadu_si512(xq + i * K + p * 64);
-      const __m512 dx = _mm512_loadu_ps(dxv + (i * P + p) * 16);
-      for (int j = 0; j < NB; ++j) {
-        const __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wv[j], xv);
-        acc[j][i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(dw[j], dx), acc[j][i]);
-      }
-    }
-  }
-  for (int j = 0; j < NB; ++j)
-    for (int i = 0; i < MB; ++i) y[i * ldy + n0 + j] = _mm512_reduce_add_ps(acc[j][i]);
-}
-
-// y[i, n] += sum_g mt[g, n] * sx[i, g] for outputs [n0, n1), 16 at a time (same order for every row and batch).
-void add_minimums(const float* mt, const float* sx, int64_t M, int64_t G, int64_t N, int64_t n0, int64_t n1, float* y) {
-  for (int64_t i = 0; i < M; ++i)
-    for (int64_t n = n0; n < n1; n += 16) {
-      const __mmask16 k = n + 16 <= n1 ? 0xffff : static_cast<__mmask16>((1u << (n1 - n)) - 1);
-      __m512 a = _mm512_setzero_ps();
-      for (int64_t g = 0; g < G; ++g)
-        a = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(k, mt + g * N + n), _mm512_set1_ps(sx[i * G + g]), a);
-      _mm512_mask_storeu_ps(y + i * N + n, k, _mm512_add_ps(_mm512_maskz_loadu_ps(k, y + i * N + n), a));
-    }
-}
-
 // ---- bf16 activations (AVX-512 BF16), for wide calls -------------------------------------------------------------
 
 // A tile's 4 rows are dequantised once per call into an L1 scratch as bf16 (w = d*q + m rounded once, from a 16-entry
@@ -328,14 +235,13 @@ void with_rows(int64_t mb, const Fn& fn) {
 }
 
 // tile(MB, m0, n0) for every 4-output block and, inside it, every chunk of up to kRows rows (the block's weights
-// stay in L1 across the chunks); then after(n0, n1) once per task.
-template <typename Tile, typename After>
-void over_outputs(int64_t M, int64_t N, const Tile& tile, const After& after) {
+// stay in L1 across the chunks).
+template <typename Tile>
+void over_outputs(int64_t M, int64_t N, const Tile& tile) {
   at::parallel_for(0, N / 4, kGrain / 4, [&](int64_t b0, int64_t b1) {
     for (int64_t blk = b0; blk < b1; ++blk)
       for (int64_t m0 = 0; m0 < M; m0 += kRows)
         with_rows(std::min<int64_t>(kRows, M - m0), [&](auto MB) { tile(MB, m0, blk * kTile); });
-    after(b0 * 4, b1 * 4);
   });
 }
 
@@ -387,28 +293,7 @@ torch::Tensor mm_f32(torch::Tensor x, torch::Tensor w, torch::Tensor sc, bool q8
     if (q8) f32_tile<true, MB.value>(xp + m0 * K, wp, sp, K, n0, yp + m0 * N, N);
     else f32_tile<false, MB.value>(xp + m0 * K, wp, sp, K, n0, yp + m0 * N, N);
   };
-  over_outputs(M, N, tile, [](int64_t, int64_t) {});
-  return y;
-}
-
-torch::Tensor mm_i8(torch::Tensor x, torch::Tensor w, torch::Tensor sc, torch::Tensor mt, bool q8) {
-  const int64_t K = check(x, w, sc, q8, q8 ? "q8_i8" : "q4_i8"), M = x.size(0), N = w.size(0), G = K / kGroup;
-  TORCH_CHECK(mt.scalar_type() == torch::kFloat && mt.is_contiguous() && mt.size(0) == G && mt.size(1) == N,
-              "mt must be fp32 [G, N]");
-  const QuantX qx = quantize_rows(x);
-  auto y = torch::empty({M, N}, x.options());
-  const int8_t* xq = qx.q.data_ptr<int8_t>();
-  const float* dxv = qx.dxv.data_ptr<float>();
-  const float* sx = qx.sx.data_ptr<float>();
-  const uint8_t* wp = w.data_ptr<uint8_t>();
-  const at::Half* sp = sc.data_ptr<at::Half>();
-  const float* mp = mt.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
-  auto tile = [&](auto MB, int64_t m0, int64_t n0) {
-    if (q8) i8_tile<true, MB.value>(xq + m0 * K, dxv + m0 * (G / 2) * 16, wp, sp, K, n0, yp + m0 * N, N);
-    else i8_tile<false, MB.value>(xq + m0 * K, dxv + m0 * (G / 2) * 16, wp, sp, K, n0, yp + m0 * N, N);
-  };
-  over_outputs(M, N, tile, [&](int64_t n0, int64_t n1) { add_minimums(mp, sx, M, G, N, n0, n1, yp); });
+  over_outputs(M, N, tile);
   return y;
 }
 
@@ -453,8 +338,4 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "x [M,K] fp32 @ Q4 [N,K]^T -> [M,N] fp32, fp32 activations");
   m.def("q8_f32", [](torch::Tensor x, torch::Tensor w, torch::Tensor d) { return mm_f32(x, w, d, true); },
         "x [M,K] fp32 @ Q8 [N,K]^T -> [M,N] fp32, fp32 activations");
-  m.def("q4_i8", [](torch::Tensor x, torch::Tensor w, torch::Tensor dm, torch::Tensor mt) { return mm_i8(x, w, dm, mt, false); },
-        "x [M,K] fp32 @ Q4 [N,K]^T -> [M,N] fp32, int8 activations per 32-group (VNNI)");
-  m.def("q8_i8", [](torch::Tensor x, torch::Tensor w, torch::Tensor d, torch::Tensor mt) { return mm_i8(x, w, d, mt, true); },
-        "x [M,K] fp32 @ Q8 [N,K]^T -> [M,N] fp32, int8 activations per 32-group (VNNI)");
 }

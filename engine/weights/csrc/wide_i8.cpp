@@ -1,12 +1,14 @@
-// Wide products with int8 activations (AVX-512 VNNI) on llama.cpp's interleaved layout, built per call.
+// Products with int8 activations (AVX-512 VNNI) on llama.cpp's interleaved layout, built per call: the wide calls
+// of FASTDLLM_WIDE_ACTIVATIONS=int8 and every call of FASTDLLM_ACTIVATIONS=int8.
 //
 // Why: at 2-33 rows a 4-bit product is compute-bound on this CPU. The bf16 path (q4.cpp q4_bf16) spends 16
-// vdpbf16ps per 512 multiply-adds and dequantises every weight to bf16 per call; q4.cpp's narrow int8 path spends
-// a float convert, multiply and FMA per 64 multiply-adds, because each (output, row) owns a vector whose lanes
-// are reduced at the end. Here one vpdpbusd covers 16 outputs x 4 k (the layout of llama.cpp's AVX-512 repacked
+// vdpbf16ps per 512 multiply-adds and dequantises every weight to bf16 per call; the int8 kernel this replaced
+// spent a float convert, multiply and FMA per 64 multiply-adds, because each (output, row) owned a vector whose lanes
+// were reduced at the end. Here one vpdpbusd covers 16 outputs x 4 k (the layout of llama.cpp's AVX-512 repacked
 // Q4 blocks): per 32-group, row and 16 outputs, 8 vpdpbusd (512 multiply-adds) and one scale FMA (+ one for the
 // weights' minimum), with no horizontal sums. The interleave is built per call from the file's tiled layout (one
-// 8x8 qword transpose per 16 outputs and pair of groups, into an L2 scratch), so the weights stay stored once.
+// 8x8 qword transpose per 16 outputs and pair of groups, into an L2 scratch), so the weights stay stored once; the
+// next block's weights are prefetched meanwhile. At 1 row it costs what the old kernel did, from 2 rows less.
 //
 // Numbers: activations quantised per row and 32-group to int8 (d_x = amax / 127, like llama.cpp's Q8_1); per
 // group sum_k q_w q_x exactly in int32, then y += (d_w d_x) * dot + m_w * (d_x sum q_x). Every row is computed on
