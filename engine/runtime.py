@@ -56,7 +56,8 @@ class Runtime:
     weights: str = "int4+bf16"  # FASTDLLM_WEIGHTS: CPU weights (engine.weights.quant.MODES)
     int4_wide_rows: int | None = None  # FASTDLLM_INT4_WIDE_ROWS: where int4+bf16 switches to bf16 activations
     activations: str = "fp32"  # FASTDLLM_ACTIVATIONS: our 4-bit kernels' narrow activations (fp32 | int8)
-    wide_activations: str = "bf16"  # FASTDLLM_WIDE_ACTIVATIONS: our 4-bit kernels' wide activations (bf16 | int8)
+    # FASTDLLM_WIDE_ACTIVATIONS: our 4-bit kernels' wide activations, bf16 | int8 (None: bf16; the studio picks int8)
+    wide_activations: str | None = None
     kernels: str = "auto"  # FASTDLLM_KERNELS: auto | ours | torch
     fused: bool = True  # FASTDLLM_FUSED: one C++ call per decoder layer for narrow 4-bit forwards
     pack: bool = True  # FASTDLLM_PACK: the dense CPU decode layout
@@ -86,7 +87,7 @@ class Runtime:
             weights=env.get("FASTDLLM_WEIGHTS", "int4+bf16"),
             int4_wide_rows=_int("FASTDLLM_INT4_WIDE_ROWS", 2),
             activations=env.get("FASTDLLM_ACTIVATIONS", "fp32"),
-            wide_activations=env.get("FASTDLLM_WIDE_ACTIVATIONS", "bf16"),
+            wide_activations=env.get("FASTDLLM_WIDE_ACTIVATIONS") or None,
             kernels=env.get("FASTDLLM_KERNELS", "auto"),
             fused=bool(_flag("FASTDLLM_FUSED", True)),
             pack=bool(_flag("FASTDLLM_PACK", True)),

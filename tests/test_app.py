@@ -386,3 +386,13 @@ def test_app_defaults(monkeypatch):
     assert main.default_model() is None
     monkeypatch.setenv("SPACE_ID", "someone/studio")
     assert main.default_model() == "Efficient-Large-Model/Fast_dLLM_v2_1.5B"
+    # int8 wide activations in the studio unless FASTDLLM_WIDE_ACTIVATIONS says otherwise; the engine's own default
+    # (API, CLI) stays bf16
+    from engine.runtime import Runtime
+    from engine.weights.quant import WeightPolicy
+
+    monkeypatch.delenv("FASTDLLM_WIDE_ACTIVATIONS", raising=False)
+    assert main.studio_runtime().wide_activations == "int8" and Runtime.from_env().wide_activations is None
+    assert WeightPolicy.of(main.studio_runtime()).wide_act == "int8" and WeightPolicy.of(Runtime.from_env()).wide_act == "bf16"
+    monkeypatch.setenv("FASTDLLM_WIDE_ACTIVATIONS", "bf16")
+    assert main.studio_runtime().wide_activations == "bf16"

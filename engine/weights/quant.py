@@ -52,7 +52,7 @@ class WeightPolicy:
     @classmethod
     def of(cls, runtime: Runtime) -> "WeightPolicy":
         return cls(runtime.weights, runtime.int4_wide_rows, runtime.activations, runtime.kernels, runtime.fused,
-                   runtime.wide_activations)
+                   runtime.wide_activations or DEFAULT_WIDE_ACT)
 
     @classmethod
     def from_env(cls) -> "WeightPolicy":
