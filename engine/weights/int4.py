@@ -32,6 +32,7 @@ from torch import Tensor, nn
 from . import kernels as cpu_kernels
 from ..model import HEAD_WIDTH, WIDE_CALLS
 from .gguf import GROUP, Q4Blocks
+from .lora import LoRA
 
 HEAD_WIDE_ROWS = 4  # LM head: int4 planes below, dense bf16 from here (7.4 vs 14.8 ms at 1 row, 25.5 vs 20.7 at 8);
 # counted per sequence, so an 8-row AR batch pays the 25.5 ms to keep every row's logits equal to its own alone
@@ -128,50 +129,6 @@ class Int4Weight(nn.Module):
         if self.wide_bf16:
             return self.kernels.q4_bf16(x.float().contiguous(), self.qs, self.dm)
         return F.linear(x.to(torch.bfloat16), self.dense).float()
-
-
-def exact_weights(t: Tensor, kernels: ModuleType | None) -> Tensor:
-    """`t` as bf16 where our LoRA kernel runs and bf16 holds every value exactly (the adapter file's bf16 weights,
-    B times a power-of-two scale), else fp32: half the bytes a forward streams, the same numbers."""
-    t = t.float().contiguous()
-    if kernels is not None and torch.equal(t.bfloat16().float(), t):
-        return t.bfloat16()
-    return t
-
-
-class LoRA(nn.Module):
-    """A fused low-rank delta: h = x A^T for every fused part in one product, then each part's B adds into its own
-    slice of the output (no block-diagonal zeros: q|k|v's were 2/3 zeros); the scale is folded into B; parts
-    without an adapter are skipped. With our kernels (`kernels`): one call, `lora_add` (engine/weights/csrc/lora.cpp),
-    the weights as exact as the file (bf16 when it holds them), each row summed on its own; otherwise ATen's fp32
-    products (on this CPU a small bf16 GEMM costs a ~25 us floor in oneDNN, fp32 ones 3-25 us)."""
-
-    def __init__(self, parts: list[tuple[Tensor, Tensor] | None], outs: list[int], scale: float,
-                 kernels: ModuleType | None = None):
-        super().__init__()
-        self.kernels = kernels
-        kept = [(i, p) for i, p in enumerate(parts) if p is not None]
-        self.register_buffer("a_t", exact_weights(torch.cat([p[0].float() for _, p in kept], 0).t(), kernels))
-        starts = [sum(outs[:i]) for i in range(len(outs))]
-        self.slices: list[tuple[str, int, int, int, int]] = []  # (B buffer, rank start, rank end, out start, out end)
-        r0 = 0
-        for j, (i, (a, b)) in enumerate(kept):
-            self.register_buffer(f"b_t{j}", exact_weights((b.float() * scale).t(), kernels))
-            self.slices.append((f"b_t{j}", r0, r0 + a.shape[0], starts[i], starts[i] + outs[i]))
-            r0 += a.shape[0]
-        self.whole = len(kept) == 1 and len(outs) == 1
-
-    def add_to(self, y: Tensor, x: Tensor) -> Tensor:
-        """y [rows, sum outs] += the delta for x [rows, in], in place (both fp32)."""
-        if self.kernels is not None and y.dtype == torch.float32 and y.is_contiguous():
-            return self.kernels.lora_add(y, x.float().contiguous(), self.a_t, [self._buffers[b] for b, *_ in self.slices],
-                                         [v for _, *r in self.slices for v in r])
-        h = x.to(torch.float32) @ self.a_t.float()
-        if self.whole:
-            return y.addmm_(h, self.b_t0.float())
-        for b, r0, r1, o0, o1 in self.slices:
-            y[:, o0:o1].addmm_(h[:, r0:r1], self._buffers[b].float())
-        return y
 
 
 def _width(x: Tensor) -> int:

@@ -145,14 +145,18 @@ void interleave_block(const uint8_t* w, const at::Half* sc, int64_t G, int64_t n
   (void)tile_mask;
 }
 
-// y[r, n0 .. n0 + valid) for RB rows from the interleaved block.
+// y[r, n0 .. n0 + valid) for RB rows from the interleaved block. `pf` (or null): `pf_bytes` of the next block's
+// stored weights, prefetched into L2 a few lines per group, so the DRAM stream overlaps the arithmetic (a burst of
+// prefetches at once overflows the miss buffers and is partly dropped).
 template <int RB>
 void rows_i8(const uint8_t* buf, const float* dw, const float* mw, const int8_t* xq, const float* dx, const float* sx,
-             int64_t K, int64_t G, float* y, int64_t ldy, __mmask16 keep) {
+             int64_t K, int64_t G, float* y, int64_t ldy, __mmask16 keep, const char* pf, int64_t pf_bytes) {
+  const int64_t pf_step = pf ? ((pf_bytes / G + 63) / 64) * 64 : 0;  // whole lines per group
   __m512 acc[RB];
   #pragma GCC unroll 8
   for (int r = 0; r < RB; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t g = 0; g < G; ++g) {
+    for (int64_t b = g * pf_step; b < std::min((g + 1) * pf_step, pf_bytes); b += 64) _mm_prefetch(pf + b, _MM_HINT_T1);
     const uint8_t* wg = buf + g * 8 * 64;
     __m512i dot[RB];
     #pragma GCC unroll 8
@@ -176,14 +180,6 @@ void rows_i8(const uint8_t* buf, const float* dw, const float* mw, const int8_t*
   }
   #pragma GCC unroll 8
   for (int r = 0; r < RB; ++r) _mm512_mask_storeu_ps(y + r * ldy, keep, acc[r]);
-}
-
-// The next block's stored weights into L2 while this block's rows are multiplied: the DRAM stream then overlaps
-// the arithmetic instead of following it (the rows read only the L2 scratch).
-void prefetch_block(const uint8_t* w, int64_t G, int64_t n0, int64_t valid, bool q8) {
-  const int64_t tile_bytes = (G / 2) * kTile * (q8 ? 64 : 32);
-  const char* p = reinterpret_cast<const char*>(w + (n0 / kTile) * tile_bytes);
-  for (int64_t b = 0; b < (valid / kTile) * tile_bytes; b += 64) _mm_prefetch(p + b, _MM_HINT_T1);
 }
 
 template <typename Fn>
@@ -235,10 +231,14 @@ torch::Tensor mm_i8_wide(torch::Tensor x, torch::Tensor w, torch::Tensor sc, boo
       if (q8) interleave_block<true>(wp, sp, G, n0, valid, buf, dw, mw);
       else interleave_block<false>(wp, sp, G, n0, valid, buf, dw, mw);
       const __mmask16 keep = valid == kBlock ? 0xffff : static_cast<__mmask16>((1u << valid) - 1);
-      if (blk + 1 < blocks) prefetch_block(wp, G, n0 + kBlock, std::min<int64_t>(kBlock, N - n0 - kBlock), q8);
+      // the next block's stored tiles (one contiguous run) are prefetched while this block's first rows run
+      const int64_t tile_bytes = (G / 2) * kTile * (q8 ? 64 : 32);
+      const char* pf = blk + 1 < blocks ? reinterpret_cast<const char*>(wp + (n0 + kBlock) / kTile * tile_bytes) : nullptr;
+      const int64_t pf_bytes = pf ? (std::min<int64_t>(kBlock, N - n0 - kBlock) / kTile) * tile_bytes : 0;
       for (int64_t m0 = 0; m0 < M; m0 += kRowsMax)
         with_rows(std::min<int64_t>(kRowsMax, M - m0), [&](auto RB) {
-          rows_i8<RB.value>(buf, dw, mw, xq + m0 * K, dx + m0 * G, sx + m0 * G, K, G, yp + m0 * N + n0, N, keep);
+          rows_i8<RB.value>(buf, dw, mw, xq + m0 * K, dx + m0 * G, sx + m0 * G, K, G, yp + m0 * N + n0, N, keep,
+                            m0 == 0 ? pf : nullptr, pf_bytes);
         });
     }
   });
