@@ -1,9 +1,13 @@
 """stop_guard: a diffusion step commits nothing right of the leftmost candidate whose best token is the stop token."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from engine.config import ConfigError, DecodeConfig
+
+ROOT = Path(__file__).resolve().parent.parent
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 
@@ -63,6 +67,34 @@ def test_every_studio_example_finishes_at_the_studio_defaults(engine):
     from app.studio import Studio
     from engine.finish import judge
 
+    studio = Studio(engine)
+    for example in EXAMPLES:
+        prep = studio.prepare(example, [], defaults(True))
+        s = engine.generate_ids([prep.ids], prep.cfg, record=False)[0].summary
+        verdict = judge(s.text, s.stop_reason)
+        assert verdict.complete, (example, verdict.label, s.text[:200])
+
+
+@pytest.mark.timeout(600)  # a second engine load (the 4-bit weights) and four long decodes
+def test_every_studio_example_finishes_on_the_studios_own_engine(monkeypatch):
+    """The same on the engine `python app.py` loads (app.py studio_runtime): the bundled model's 4-bit weights with
+    the studio's int8 wide activations, not the suite's fp32 engine."""
+    import importlib.util
+
+    from app.settings import EXAMPLES, defaults
+    from app.studio import Studio
+    from engine import Engine
+    from engine.finish import judge
+
+    spec = importlib.util.spec_from_file_location("app_main", ROOT / "app.py")
+    main = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(main)
+    for name in ("FASTDLLM_WEIGHTS", "FASTDLLM_WIDE_ACTIVATIONS"):
+        monkeypatch.delenv(name, raising=False)
+    runtime = main.studio_runtime()
+    assert runtime.wide_activations == main.STUDIO_WIDE_ACTIVATIONS == "int8"
+    engine = Engine.load(runtime=runtime)
+    assert engine.lm.info["weights"] == "int4+bf16"
     studio = Studio(engine)
     for example in EXAMPLES:
         prep = studio.prepare(example, [], defaults(True))
