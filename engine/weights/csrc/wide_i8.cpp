@@ -123,10 +123,10 @@ void interleave_block(const uint8_t* w, const at::Half* sc, int64_t G, int64_t n
   }
   // scales: per group, each tile's 4 outputs x S halves side by side ([N/4, G, 4, S]); missing tiles read as zero
   const uint16_t* st = reinterpret_cast<const uint16_t*>(sc) + (n0 / kTile) * G * kTile * S;
-  const __mmask8 tile_mask = static_cast<__mmask8>((1u << (tiles * (S == 2 ? 2 : 1))) - 1);  // 128- or 64-bit parts
+  const __mmask8 tiles_in = static_cast<__mmask8>((1u << tiles) - 1);
   for (int64_t g = 0; g < G; ++g) {
     if constexpr (Q8) {  // 4 tiles x 4 halves -> d of outputs 0..15
-      const __m256i h = _mm256_mmask_i64gather_epi64(_mm256_setzero_si256(), tile_mask,
+      const __m256i h = _mm256_mmask_i64gather_epi64(_mm256_setzero_si256(), tiles_in,
           _mm256_setr_epi64x(0, G * kTile, 2 * G * kTile, 3 * G * kTile), reinterpret_cast<const long long*>(st + g * kTile), 2);
       const __m512 d = _mm512_cvtph_ps(h);
       _mm512_store_ps(dw + g * kBlock, d);
@@ -142,7 +142,7 @@ void interleave_block(const uint8_t* w, const at::Half* sc, int64_t G, int64_t n
       _mm512_store_ps(mw + g * kBlock, _mm512_permutex2var_ps(a, odd, b));
     }
   }
-  (void)tile_mask;
+  (void)tiles_in;  // read by the Q8 branch only
 }
 
 // y[r, n0 .. n0 + valid) for RB rows from the interleaved block. `pf` (or null): `pf_bytes` of the next block's
