@@ -60,9 +60,8 @@ def test_studio_setting_reaches_the_config_and_says_it_is_on(engine):
     assert cfg.stop_guard is False and "stop guard" not in knobs_summary(cfg)
 
 
-def test_every_studio_example_finishes_at_the_studio_defaults(engine):
-    """Issue 21: each example prompt the studio offers ends with its stop token, without looping, when sent with
-    the studio's default settings (app/presets.json) through the studio's own request path."""
+def _assert_examples_finish(engine) -> None:
+    """Each studio example, sent with the studio's defaults through its own request path, ends cleanly."""
     from app.settings import EXAMPLES, defaults
     from app.studio import Studio
     from engine.finish import judge
@@ -75,16 +74,19 @@ def test_every_studio_example_finishes_at_the_studio_defaults(engine):
         assert verdict.complete, (example, verdict.label, s.text[:200])
 
 
+def test_every_studio_example_finishes_at_the_studio_defaults(engine):
+    """Issue 21: each example prompt the studio offers ends with its stop token, without looping, when sent with
+    the studio's default settings (app/presets.json) through the studio's own request path."""
+    _assert_examples_finish(engine)
+
+
 @pytest.mark.timeout(600)  # a second engine load (the 4-bit weights) and four long decodes
 def test_every_studio_example_finishes_on_the_studios_own_engine(monkeypatch):
     """The same on the engine `python app.py` loads (app.py studio_runtime): the bundled model's 4-bit weights with
     the studio's int8 wide activations, not the suite's fp32 engine."""
     import importlib.util
 
-    from app.settings import EXAMPLES, defaults
-    from app.studio import Studio
     from engine import Engine
-    from engine.finish import judge
 
     spec = importlib.util.spec_from_file_location("app_main", ROOT / "app.py")
     main = importlib.util.module_from_spec(spec)
@@ -95,12 +97,7 @@ def test_every_studio_example_finishes_on_the_studios_own_engine(monkeypatch):
     assert runtime.wide_activations == main.STUDIO_WIDE_ACTIVATIONS == "int8"
     engine = Engine.load(runtime=runtime)
     assert engine.lm.info["weights"] == "int4+bf16"
-    studio = Studio(engine)
-    for example in EXAMPLES:
-        prep = studio.prepare(example, [], defaults(True))
-        s = engine.generate_ids([prep.ids], prep.cfg, record=False)[0].summary
-        verdict = judge(s.text, s.stop_reason)
-        assert verdict.complete, (example, verdict.label, s.text[:200])
+    _assert_examples_finish(engine)
 
 
 def test_bench_quality_decode_option_parses_settings_and_refuses_bad_ones():

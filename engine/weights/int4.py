@@ -302,7 +302,7 @@ class LayerStep:
         self.weights = [t for p in projs for t in (p.weight.qs, p.weight.dm)]
         self.lora_a = [p.lora.a_t if p.lora is not None else None for p in projs]
         self.lora_b = [[p.lora._buffers[b] for b, *_ in p.lora.slices] if p.lora is not None else [] for p in projs]
-        self.slices = [[v for _, *r in p.lora.slices for v in r] if p.lora is not None else [] for p in projs]
+        self.slices = [p.lora.bounds if p.lora is not None else [] for p in projs]
         self.qkv_bias = projs[0].bias
 
     @staticmethod

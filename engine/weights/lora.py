@@ -38,12 +38,13 @@ class LoRA(nn.Module):
             self.slices.append((f"b_t{j}", r0, r0 + a.shape[0], starts[i], starts[i] + outs[i]))
             r0 += a.shape[0]
         self.whole = len(kept) == 1 and len(outs) == 1
+        self.bounds = [v for _, *r in self.slices for v in r]  # lora_add's (r0, r1, o0, o1) per B, flat
 
     def add_to(self, y: Tensor, x: Tensor) -> Tensor:
         """y [rows, sum outs] += the delta for x [rows, in], in place (both fp32)."""
         if self.kernels is not None and y.dtype == torch.float32 and y.is_contiguous():
             return self.kernels.lora_add(y, x.float().contiguous(), self.a_t, [self._buffers[b] for b, *_ in self.slices],
-                                         [v for _, *r in self.slices for v in r])
+                                         self.bounds)
         h = x.to(torch.float32) @ self.a_t.float()
         if self.whole:
             return y.addmm_(h, self.b_t0.float())
