@@ -13,7 +13,7 @@ from typing import Any
 
 import gradio as gr
 
-from engine import ConfigError, Event, Result, Trace
+from engine import CACHE_MODES, ConfigError, Event, Result, Trace
 
 from . import api, plots, render
 from .api import SLOTS, engine_slots, error
@@ -182,7 +182,7 @@ def build(studio: Studio, slots: int = SLOTS) -> gr.Blocks:
                     with gr.Row():
                         mode = gr.Radio(["diffusion", "ar"] if eng.can_diffuse else ["ar"], value=d["mode"],
                                         label="mode", info=INFO["mode"], elem_id="fd-mode")
-                        cache = gr.Radio(["none", "block", "dual"], value=d["cache"], label="cache",
+                        cache = gr.Radio(list(CACHE_MODES), value=d["cache"], label="cache",
                                          info=INFO["cache"], elem_id="fd-cache")
                     with gr.Row():
                         block = gr.Dropdown(list(BLOCK_SIZES), value=d["block_size"], label="block size",

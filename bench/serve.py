@@ -23,6 +23,7 @@ SETTINGS = {
     "ar": {"mode": "ar"},
     "diffusion-block": {"mode": "diffusion", "cache": "block"},
     "diffusion-dual": {"mode": "diffusion", "cache": "dual"},
+    "diffusion-dual-sparse": {"mode": "diffusion", "cache": "dual-sparse"},
 }
 
 

@@ -358,7 +358,7 @@ def add_parser(sub) -> None:
                    help="comma list of FASTDLLM_WEIGHTS modes (int4+bf16, int4, bf16, fp32) to run ar/diffusion with, "
                         "interleaved in one run (default: the engine's)")
     p.add_argument("--hf-baseline", action="store_true", help="also run transformers generate() (= mode transformers)")
-    p.add_argument("--cache", default="dual", help="diffusion cache modes: none, block, dual")
+    p.add_argument("--cache", default="dual", help="diffusion cache modes: none, block, dual, dual-sparse")
     p.add_argument("--thresholds", default="0.9")
     p.add_argument("--block-sizes", default="32")
     p.add_argument("--sub-block-sizes", default="8")

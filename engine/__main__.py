@@ -26,7 +26,9 @@ def _decode_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threshold", type=float, default=d.threshold, help="commit masks whose confidence exceeds this, in (0, 1]")
     p.add_argument("--strategy", choices=STRATEGIES, default=d.strategy, help="unmasking rule")
     p.add_argument("--factor", type=float, default=d.factor, help="f of the factor rule: commit the largest n with (n+1)(1-c_n) < f")
-    p.add_argument("--cache", choices=CACHE_MODES, default=d.cache, help="KV cache: none, block-level, or block + sub-block DualCache")
+    p.add_argument("--cache", choices=CACHE_MODES, default=d.cache,
+                   help="KV cache: none, block-level, block + sub-block DualCache, or DualCache with sparse sub-block steps "
+                        "(dual-sparse: docs/engine.md)")
     p.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens, help="cap on answer tokens")
     p.add_argument("--temperature", type=float, default=d.temperature, help="0 = greedy")
     p.add_argument("--top-p", type=float, default=d.top_p, help="nucleus sampling mass, in (0, 1]")

@@ -5,11 +5,11 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Literal
 
 Mode = Literal["diffusion", "ar"]
-CacheMode = Literal["none", "block", "dual"]
+CacheMode = Literal["none", "block", "dual", "dual-sparse"]
 Strategy = Literal["threshold", "factor"]
 
 MODES = ("diffusion", "ar")
-CACHE_MODES = ("none", "block", "dual")
+CACHE_MODES = ("none", "block", "dual", "dual-sparse")
 STRATEGIES = ("threshold", "factor")
 MAX_BLOCK_SIZE = 256
 MAX_NEW_TOKENS_LIMIT = 4096

@@ -249,7 +249,7 @@ class CausalLM(nn.Module):
 
     def forward(self, ids: Tensor, pos: Tensor, cache: KVCache | None = None, *, start: int | None = None,
                 kv_len: int | None = None, mask: Tensor | Attend | None = None, causal: bool = False,
-                logits_idx: Tensor | None = None) -> Tensor:
+                logits_idx: Tensor | None = None, cache_rows: Tensor | None = None) -> Tensor:
         """Run ids [B, T] at absolute positions pos [B, T].
 
         With a cache, K/V are written at pos (a slice at `start` when all rows share it) and attention
@@ -257,7 +257,18 @@ class CausalLM(nn.Module):
         None with causal=False means every key is visible (a decode step on the block grid); a callable
         (q, k, v) -> out replaces SDPA (the training recipe's block-sparse attention).
         `logits_idx` [B, n] picks the window positions whose logits are needed (LM head only there).
+        `cache_rows` [B]: the cache rows this forward's rows use (a part of a batch; None: rows 0..B-1). The one-call
+        layer steps address them in place; the eager layers run on a compact copy whose new positions are put back.
         """
+        if cache_rows is not None:
+            fused = self.steps is not None and ids.device.type == "cpu" and (mask is None or isinstance(mask, Tensor)) \
+                and not torch.is_grad_enabled() and ids.shape[1] <= self.steps[0].max_width and not WIDE_CALLS.get()
+            if not fused:
+                n = int(pos.max()) + 1 if kv_len is None else kv_len
+                part = cache.take(cache_rows, min(whole_key_quanta(n), cache.k.shape[3]))
+                out = self(ids, pos, part, start=start, kv_len=kv_len, mask=mask, causal=causal, logits_idx=logits_idx)
+                cache.put(cache_rows, part, int(pos.min()), int(pos.max()) + 1)
+                return out
         x = self.model.embed_tokens(ids)
         cos, sin = self.rope(pos, x.dtype)
         if cache is not None and kv_len is None:
@@ -270,7 +281,8 @@ class CausalLM(nn.Module):
             b, t = ids.shape
             d = cos.shape[-1]
             shared = (cos.expand(b, 1, t, d).reshape(b * t, d).contiguous(), sin.expand(b, 1, t, d).reshape(b * t, d).contiguous(),
-                      pos.expand(b, t).contiguous(), mask.expand(b, 1, t, mask.shape[-1]).reshape(b, t, -1).contiguous())
+                      pos.expand(b, t).contiguous(), mask.expand(b, 1, t, mask.shape[-1]).reshape(b, t, -1).contiguous(),
+                      cache_rows)
             for i, step in enumerate(self.steps):
                 x = step(x, cache.k[i], cache.v[i], shared)
         else:

@@ -84,6 +84,7 @@ class _Row:
         self.stop_at: int | None = None
         self.kv = None
         self.refreshed = None  # dual: (block start, sub-block) whose whole-block K/V were last written to kv
+        self.last: list[int] = []  # positions the previous forward committed (dual-sparse recomputes their K/V)
         self.confs: list[list[float]] = []
         self.run = OracleRun()
 
@@ -100,7 +101,7 @@ class _Row:
         if q0 == start:
             return "first"
         k = (q0 - start) // self.sbs
-        return "sub" if self.cache == "dual" and self.refreshed == (start, k) else "full"
+        return "sub" if self.cache in ("dual", "dual-sparse") and self.refreshed == (start, k) else "full"
 
     def _commit(self, q: int, tok: int, out: list, conf: float = 1.0) -> None:
         self.confs[-1].append(conf)
@@ -113,7 +114,7 @@ class _Row:
     def _full_forward(self, end: int) -> torch.Tensor:
         """Logits [end, V] of positions 0..end-1, block-causal, from scratch (dual: also refilling its K/V)."""
         pos = torch.arange(end)[None]
-        if self.cache == "dual":
+        if self.cache in ("dual", "dual-sparse"):
             from engine.model import KVCache
             self.kv = KVCache(self.model.cfg, 1, self.room, self.seq.device, next(self.model.parameters()).dtype)
             return self.model(self.seq[:, :end], pos, self.kv, start=0, kv_len=end, mask=_block_causal(end, self.bs))[0]
@@ -143,7 +144,14 @@ class _Row:
             cand = [q for q in self.masked() if lo <= q < lo + sbs]
             rest = [q for q in self.masked() if lo + sbs <= q < start + bs]  # the heatmap's rest of the block
             self.run.where.append((start // bs, k))
-            if kind == "sub":  # only the window [lo - 1, lo + sbs), over stale block K/V
+            if kind == "sub" and self.cache == "dual-sparse":
+                # only the positions whose logits are read and those the previous forward committed (their K/V
+                # were written with the mask as input), over the K/V every other position last got
+                a, b = self.window()
+                need = sorted({q - 1 for q in cand if q - 1 >= a} | {q for q in self.last if a <= q < b})
+                logits = self.model(self.seq[:, need], torch.tensor([need]), self.kv, kv_len=start + bs)[0]
+                picks = [_greedy(logits[need.index(q - 1)], self.mask_id) for q in cand]
+            elif kind == "sub":  # only the window [lo - 1, lo + sbs), over stale block K/V
                 a, b = self.window()
                 logits = self.model(self.seq[:, a:b], torch.arange(a, b)[None], self.kv, start=a, kv_len=start + bs)[0]
                 picks = [_greedy(logits[q - 1 - a], self.mask_id) for q in cand]
@@ -160,6 +168,7 @@ class _Row:
                 if yes:
                     self._commit(q, tok, out, conf)
             shown = [(q - self.plen, tok, conf) for q, (tok, conf), yes in zip(cand, picks, chosen) if not yes] + shown
+        self.last = [self.plen + pos for pos, _ in out]
         label = "prefill" if not self.run.steps else ("commit" if kind == "first" else "step")
         self.run.steps.append((label, out))
         self.run.confs.append(self.confs[-1])
@@ -178,7 +187,8 @@ def decode(model, prompts: list[list[int]], *, mask_id: int, stop_ids, block_siz
     engine's caches are tested against this, in batches). cache "none": each step from scratch (the engine's
     "none" and "block" caches must match it exactly). cache "dual": a step that does not start a sub-block runs
     only the window [lo - 1, lo + sub_block_size) over the K/V its sub-block's first (whole-block) step wrote, so
-    the rest of the block's K/V are stale."""
+    the rest of the block's K/V are stale. cache "dual-sparse": such a step runs only the positions whose logits it
+    reads and those the previous forward committed."""
     rows = [_Row(model, p, mask_id, stop_ids, block_size, sub_block_size, threshold, strategy, factor,
                  max_new_tokens, cache, stop_guard) for p in prompts]
     for r in rows:

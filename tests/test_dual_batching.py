@@ -86,3 +86,26 @@ def test_rows_joining_a_running_dual_batch_decode_as_alone(engine):
         assert g.summary.token_ids == a.summary.token_ids and g.summary.nfe == a.summary.nfe
     assert got[0].summary.nfe > 4, "the first row was still decoding when the others joined"
     assert forwards < sum(a.summary.nfe for a in alone), "the rows shared forwards"
+
+
+def test_dual_sparse_batches_decode_as_alone_with_narrower_sub_steps(engine, monkeypatch):
+    """cache "dual-sparse" (its rule is tests/oracle.py's, checked in test_oracle.py): sub-block steps over only the
+    positions they need, so forwards narrower than the dual window (sub-block + 1); rows of a batch grouped by
+    those widths still get exactly their single-row forwards. The static path refuses it by name."""
+    from engine import ConfigError, Engine
+
+    ids = chat_ids(engine, MESSAGES)
+    cfg = engine.decode_config(mode="diffusion", cache="dual-sparse", threshold=0.9, max_new_tokens=40)
+    alone = [engine.generate_ids([i], cfg)[0] for i in ids]
+    shapes: list[tuple[int, int]] = []
+    real = engine.lm.dllm.forward
+    monkeypatch.setattr(engine.lm.dllm, "forward", lambda x, *a, **k: shapes.append(tuple(x.shape)) or real(x, *a, **k))
+    batch = engine.generate_ids(ids, cfg)
+    monkeypatch.undo()
+    for i, (b, a) in enumerate(zip(batch, alone)):
+        assert forwards_of(b) == forwards_of(a), f"row {i} ({len(ids[i])} prompt tokens)"
+        assert b.summary.token_ids == a.summary.token_ids and b.summary.nfe == a.summary.nfe
+    widths = [w for _, w in shapes[1:]]
+    assert min(widths) < 8 and 32 in widths, sorted(set(widths))
+    with pytest.raises(ConfigError, match="cache.*dual-sparse.*dynamic path"):
+        Engine(engine.lm, static=True).generate_ids([ids[0]], cfg)

@@ -1,7 +1,8 @@
 """Differential tests: the engine's decoder against the plain reference decoder in tests/oracle.py.
 
 Every committed token of every forward (Event.committed), the answers and the stop reasons must be the oracle's,
-exactly: cache "none" and "block" against the oracle without cache, "dual" against the oracle's stale-K/V rule,
+exactly: cache "none" and "block" against the oracle without cache, "dual" and "dual-sparse" against the oracle's
+stale-K/V rules,
 in batches whose rows sit at different block starts (prompts of 5, 31, 32, 33 and 64 tokens), on small random
 models over several seeds and on the bundled model. Random models are tiny (2 layers, vocab 128) with a sharpened
 LM head, so confidences spread over (0, 1) and every threshold and the factor rule commit different sets.
@@ -85,7 +86,7 @@ def assert_matches_oracle(model, prompts, cfg: DecodeConfig, mask_id: int, tb: T
     runs = oracle.decode(model, prompts, mask_id=mask_id, stop_ids=set(cfg.stop_token_ids), block_size=cfg.block_size,
                          sub_block_size=cfg.sub_block_size, threshold=cfg.threshold, strategy=cfg.strategy,
                          factor=cfg.factor, max_new_tokens=cfg.max_new_tokens,
-                         cache="dual" if cfg.cache == "dual" else "none")
+                         cache=cfg.cache if cfg.cache in ("dual", "dual-sparse") else "none")
     for i, (s, got, run) in enumerate(zip(summaries, steps, runs)):
         where = f"row {i} (prompt {len(prompts[i])} tokens), {cfg.cache} {cfg.block_size}/{cfg.sub_block_size} " \
                 f"{cfg.strategy} {cfg.threshold} {cfg.factor}"
@@ -112,8 +113,9 @@ def coverage(runs, prompts, stop_id: int) -> dict[str, int]:
 
 
 # ------------------------------------------------------------------ random models: the whole matrix
-@pytest.mark.parametrize("seed,grid,caches", [(0, GRID, ("none", "block", "dual")),
-                                               (1, GRID[0::3], ("block", "dual")), (2, GRID[1:3], ("block", "dual"))])
+@pytest.mark.parametrize("seed,grid,caches", [(0, GRID, ("none", "block", "dual", "dual-sparse")),
+                                               (1, GRID[0::3], ("block", "dual", "dual-sparse")),
+                                               (2, GRID[1:3], ("block", "dual"))])
 def test_engine_equals_oracle_on_random_models(tb, one_thread, seed, grid, caches):
     """Cache modes x block/sub-block grids x commit rules, one batch of 5 rows at different block starts (seed 0
     runs the whole matrix; seeds 1 and 2 half the grids each, the cached modes)."""
@@ -163,7 +165,8 @@ def bundled_prompts(engine) -> list[list[int]]:
     return [text[:5], chat[:31], chat[:32], chat[:33], text[:64]]
 
 
-@pytest.mark.parametrize("cache,bs,sbs,threshold", [("none", 16, 4, 0.5), ("block", 32, 8, 0.9), ("dual", 16, 4, 0.7)])
+@pytest.mark.parametrize("cache,bs,sbs,threshold", [("none", 16, 4, 0.5), ("block", 32, 8, 0.9), ("dual", 16, 4, 0.7),
+                                                     ("dual-sparse", 32, 8, 0.9)])
 def test_engine_equals_oracle_on_the_bundled_model(engine, one_thread, cache, bs, sbs, threshold):
     """The bundled dLLM (30 layers, its trained adapter): a few tokens per row, five rows at different block starts."""
     prompts = bundled_prompts(engine)

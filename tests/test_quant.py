@@ -414,9 +414,21 @@ def test_one_call_layer_step_matches_the_eager_layers(monkeypatch):
     vis = torch.rand(b, t, 80, generator=g) > 0.3
     vis[..., 75:] = False
     with torch.inference_mode():
-        partial = m.steps[0](x, kv[0].clone(), kv[1].clone(), (*rope, qpos, vis[..., :75].contiguous()))
-        whole = m.steps[0](x, kv[0].clone(), kv[1].clone(), (*rope, qpos, vis))
-    assert torch.equal(partial, whole)
+        partial = m.steps[0](x, kv[0].clone(), kv[1].clone(), (*rope, qpos, vis[..., :75].contiguous(), None))
+        whole = m.steps[0](x, kv[0].clone(), kv[1].clone(), (*rope, qpos, vis, None))
+        # a part of a batch (cache_rows): rows 2 and 0 of a 3-row cache, read and written in place, as a compact copy
+        big_k, big_v = torch.randn(2, 3, *kv.shape[2:], generator=g).unbind(0)
+        big_k[[2, 0]], big_v[[2, 0]] = kv[0], kv[1]
+        rows = torch.tensor([2, 0])
+        k_in, v_in = big_k.clone(), big_v.clone()
+        part = m.steps[0](x, big_k, big_v, (*rope, qpos, vis, rows))
+    assert torch.equal(partial, whole) and torch.equal(part, whole)
+    small_k, small_v = kv[0].clone(), kv[1].clone()
+    m.steps[0](x, small_k, small_v, (*rope, qpos, vis, None))
+    assert torch.equal(big_k[rows], small_k) and torch.equal(big_v[rows], small_v)  # its new K/V went to its rows
+    assert torch.equal(big_k[1], k_in[1]) and torch.equal(big_v[1], v_in[1])  # and nowhere else
+    with pytest.raises(RuntimeError, match="cache row 3 outside the cache"):
+        m.steps[0](x, big_k, big_v, (*rope, qpos, vis, torch.tensor([3, 0])))
     # the switch: forwards wider than a block and AR prefills (wide_calls) never reach the steps, the others do
     model = q.lm.base
     saved = model.steps

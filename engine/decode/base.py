@@ -111,13 +111,15 @@ class Decoder:
         return KVCache(self.model.cfg, batch, max_len, self.device, self._dtype())
 
     def _step(self, ids: Tensor, pos: Tensor, cache: KVCache, *, start: int | None, ends: list[int],
-              mask: Tensor | None, logits_idx: Tensor, width: int, lengths: list[int] | None = None) -> Tensor:
+              mask: Tensor | None, logits_idx: Tensor, width: int, lengths: list[int] | None = None,
+              cache_rows: Tensor | None = None) -> Tensor:
         """A cached decode forward of a fixed-width kind (AR 1, dual sub-block + 1, block): keys < ends[row]
         are visible. Through the static stepper when there is one (lengths: each row's real window, the rest of
-        its window padding), else CausalLM.forward."""
+        its window padding), else CausalLM.forward (cache_rows: the cache rows of a part of the batch)."""
         if self.stepper is not None:
             return self.stepper.step(ids, pos, cache, ends, logits_idx, width, lengths)
-        return self.model(ids, pos, cache, start=start, kv_len=max(ends), mask=mask, logits_idx=logits_idx)
+        return self.model(ids, pos, cache, start=start, kv_len=max(ends), mask=mask, logits_idx=logits_idx,
+                          cache_rows=cache_rows)
 
     @staticmethod
     def _to_host(tok: Tensor, conf: Tensor) -> tuple[list, list]:

@@ -4,7 +4,8 @@ Block grid from absolute position 0; token shift (position q is read from the lo
 sub-blocks decoded left to right with confidence-thresholded parallel commits; after a block has no
 masks, one commit forward writes its clean K/V and yields the next block's first token.
 Cache modes: none (recompute the prefix), block (cached committed blocks), dual (also reuse the
-active block's K/V: a refresh forward at each new sub-block, then forwards of the sub-block only).
+active block's K/V: a refresh forward at each new sub-block, then forwards of the sub-block only), dual-sparse
+(dual whose sub-block forwards compute only the rows they need: `_plan`).
 In a batch every row runs the forward it would run alone (`_forwards`: rows grouped by their forward's width).
 """
 from __future__ import annotations
@@ -14,14 +15,20 @@ from torch import Tensor
 
 from ..config import DecodeConfig
 from ..events import Token
-from ..model import block_causal_mask, whole_key_quanta
+from ..model import block_causal_mask
 from ..sampling import select_commits
 from .base import Decoder
 from .rows import Batch, Row
 
 
+# A row's next forward: kind ('commit', 'block', 'sub'), window start and end, and for dual-sparse sub steps the
+# positions it computes (None: the whole window)
+Plan = tuple[str, int, int, "list[int] | None"]
+
+
 class DiffusionDecoder(Decoder):
-    """Block diffusion with the confidence threshold (or factor rule) inside sub-blocks; cache none, block or dual."""
+    """Block diffusion with the confidence threshold (or factor rule) inside sub-blocks; cache none, block, dual or
+    dual-sparse."""
 
     @property
     def block(self) -> int:  # type: ignore[override]
@@ -44,6 +51,9 @@ class DiffusionDecoder(Decoder):
         if self.mask_id is None:
             raise ValueError("mode: this model has no mask token |<MASK>|, so it cannot decode by "
                              "block diffusion; use mode 'ar'")
+        if self.cfg.cache == "dual-sparse" and self.stepper is not None:
+            raise ValueError("cache: 'dual-sparse' runs on the dynamic path only (its forwards have no static width); "
+                             "use 'dual', or FASTDLLM_STATIC=0")
         return super().open_batch(prompts, rows)
 
     def _step_rows(self, batch: Batch) -> int:
@@ -68,13 +78,13 @@ class DiffusionDecoder(Decoder):
         self._after_forward("prefill", rows, batch.seq, targets, logits, [r.prompt_len % bs != 0 for r in rows])
 
     def _step_diffusion(self, batch: Batch) -> int:
-        plan = [self._plan(r) for r in batch.rows]  # (kind, window start, window end) of each row's own forward
+        plan = [self._plan(r) for r in batch.rows]  # (kind, window start, window end, rows) of each row's own forward
         forwards = self._forwards(plan)
         for at, width in forwards:
             self._forward(batch, at, [plan[b] for b in at], width)
         return len(forwards)
 
-    def _forwards(self, plan: list[tuple[str, int, int]]) -> list[tuple[list[int], int]]:
+    def _forwards(self, plan: list[Plan]) -> list[tuple[list[int], int]]:
         """The batching policy: which rows share a forward (batch indices), and its window width.
 
         A row must get the forward it would get alone: with the dual cache, a whole-block forward (the refresh at a
@@ -87,8 +97,8 @@ class DiffusionDecoder(Decoder):
         The none and block caches run whole blocks for every row: always one forward."""
         every = list(range(len(plan)))
         if self.cfg.cache == "none":
-            return [(every, max(e for _, _, e in plan))]  # each row over its prefix, up to the longest one's block end
-        widths = [e - s for _, s, e in plan]
+            return [(every, max(e for _, _, e, _ in plan))]  # each row over its prefix, up to the longest one's block end
+        widths = [len(at) if at is not None else e - s for _, s, e, at in plan]
         if self.stepper is not None:
             return [(every, max(widths))]
         groups: dict[int, list[int]] = {}
@@ -96,10 +106,10 @@ class DiffusionDecoder(Decoder):
             groups.setdefault(w, []).append(b)
         return [(at, w) for w, at in sorted(groups.items(), reverse=True)]
 
-    def _forward(self, batch: Batch, at: list[int], plan: list[tuple[str, int, int]], width: int) -> None:
+    def _forward(self, batch: Batch, at: list[int], plan: list[Plan], width: int) -> None:
         """One forward for the rows `at` of the batch, each over its own window of its plan (padded to `width` on
-        the static path only), and their commits. Rows not in `at` are untouched: the forward runs on a compact
-        copy of its rows' K/V, whose new positions are copied back."""
+        the static path only; dual-sparse: over its plan's positions), and their commits. Rows not in `at` are
+        untouched: the forward reads and writes only its rows of the cache."""
         cfg, bs = self.cfg, self.cfg.block_size
         rows = [batch.rows[b] for b in at]
         every = len(at) == len(batch.rows)
@@ -111,9 +121,14 @@ class DiffusionDecoder(Decoder):
             pos = torch.arange(width, device=self.device)[None].expand(len(rows), -1)
             mask = block_causal_mask(pos, width, bs, torch.tensor(ends, device=self.device))
         else:
-            starts = [s for _, s, _ in plan]
-            pos = torch.tensor(starts, device=self.device)[:, None] + torch.arange(width, device=self.device)[None]
-            same = all(a == starts[0] for a in starts)  # (then the ends are equal too: one block)
+            starts = [s for _, s, _, _ in plan]
+            if any(p is not None for *_, p in plan):  # dual-sparse sub-block steps: each row's own positions
+                pos = torch.tensor([p if p is not None else list(range(s, s + width)) for _, s, _, p in plan],
+                                   device=self.device)
+                same = False
+            else:
+                pos = torch.tensor(starts, device=self.device)[:, None] + torch.arange(width, device=self.device)[None]
+                same = all(a == starts[0] for a in starts)  # (then the ends are equal too: one block)
             kv_len = max(ends)
             mask = None if same else (torch.arange(kv_len, device=self.device)[None, None, None]
                                       < torch.tensor(ends, device=self.device)[:, None, None, None])
@@ -121,22 +136,22 @@ class DiffusionDecoder(Decoder):
         # (a row's targets are read only inside its own window, never from a static path's pads)
         targets = [([r.block_start + bs] if r.block_start + bs < r.limit else []) if kind == "commit"
                    else self._targets(r, a, a + (width if cfg.cache == "none" else e - s), full=kind != "sub")
-                   for r, (kind, s, e), a in zip(rows, plan, starts)]
-        idx = self._idx(targets, starts)
+                   for r, (kind, s, e, _), a in zip(rows, plan, starts)]
+        if cfg.cache == "none" or all(p is None for *_, p in plan):
+            idx = self._idx(targets, starts)
+        else:  # where each target's logits sit among the row's forward positions
+            idx = self._idx_at(targets, pos.tolist())
         if cfg.cache == "none":
             logits = self.model(seq[:, :width], pos, None, mask=mask, logits_idx=idx)
         elif self.stepper is not None:  # static widths: the block, or the sub-block + 1 (see engine/static.py)
-            sub = all(kind == "sub" for kind, _, _ in plan)
+            sub = all(kind == "sub" for kind, *_ in plan)
             logits = self._step(seq.gather(1, pos), pos, batch.cache, start=None, ends=ends, mask=None,
                                 logits_idx=idx, width=cfg.sub_block_size + 1 if sub else bs,
-                                lengths=[e - a for _, a, e in plan])
-        else:
-            cache = batch.cache if rows_t is None else batch.cache.take(rows_t, whole_key_quanta(kv_len))
-            logits = self._step(seq.gather(1, pos), pos, cache, start=starts[0] if same else None, ends=ends,
-                                mask=mask, logits_idx=idx, width=width)
-            if rows_t is not None:
-                batch.cache.put(rows_t, cache, min(starts), max(starts) + width)
-        kinds = [kind for kind, _, _ in plan]
+                                lengths=[e - a for _, a, e, _ in plan])
+        else:  # a part of the batch addresses its own cache rows (CausalLM.forward's cache_rows)
+            logits = self._step(seq.gather(1, pos), pos, batch.cache, start=starts[0] if same else None, ends=ends,
+                                mask=mask, logits_idx=idx, width=width, cache_rows=rows_t)
+        kinds = [kind for kind, *_ in plan]
         self._after_forward(kinds, rows, batch.seq, targets, logits, [kind != "sub" for kind in kinds], at)
 
     def _masked(self, r: Row, lo: int, hi: int) -> list[int]:
@@ -149,16 +164,26 @@ class DiffusionDecoder(Decoder):
         first = self._masked(r, r.block_start, r.block_start + self.cfg.block_size)[0]
         return (first - r.block_start) // sbs
 
-    def _plan(self, r: Row) -> tuple[str, int, int]:
-        """What this row's next forward is: 'commit', a whole-block 'block' step, or a dual 'sub' step."""
+    def _plan(self, r: Row) -> Plan:
+        """What this row's next forward is: 'commit', a whole-block 'block' step, or a dual 'sub' step; over the
+        window [start, end), or (dual-sparse sub steps) only over the listed positions.
+
+        dual-sparse: a sub step computes the positions whose logits it reads (the one before each masked position)
+        and the tokens the row's previous forward committed (their K/V were computed with the mask as input); the
+        other committed tokens of the sub-block keep the K/V of their last forward, as the masked positions right of
+        the sub-block already do in the dual cache. `dual` recomputes the whole sub-block window every step."""
         bs, sbs = self.cfg.block_size, self.cfg.sub_block_size
         if not self._masked(r, r.block_start, r.block_start + bs):
-            return "commit", r.block_start, r.block_start + bs
+            return "commit", r.block_start, r.block_start + bs, None
         k = self._active_sub(r)
-        if self.cfg.cache != "dual" or r.refreshed_sub != k:
-            return "block", r.block_start, r.block_start + bs
+        if self.cfg.cache not in ("dual", "dual-sparse") or r.refreshed_sub != k:
+            return "block", r.block_start, r.block_start + bs, None
         lo = r.block_start + k * sbs
-        return "sub", max(lo - 1, r.block_start), lo + sbs  # lo - 1: the logits that predict position lo
+        start, end = max(lo - 1, r.block_start), lo + sbs  # lo - 1: the logits that predict position lo
+        if self.cfg.cache == "dual":
+            return "sub", start, end, None
+        need = {q - 1 for q in self._masked(r, lo, end)} | {q for q in r.fresh if start <= q < end}
+        return "sub", start, end, sorted(q for q in need if q >= start)
 
     def _draws(self, r: Row, kind: str, targets: list[int]) -> int:
         """How many of a row's targets are commit candidates (sampled from the row's generator): all but the
@@ -186,6 +211,13 @@ class DiffusionDecoder(Decoder):
         rows = [[q - 1 - a for q in t] + [0] * (n - len(t)) for t, a in zip(targets, starts)]
         return torch.tensor(rows, dtype=torch.long, device=self.device)
 
+    def _idx_at(self, targets: list[list[int]], positions: list[list[int]]) -> Tensor:
+        """Like _idx, for forwards over listed positions: the index of q - 1 among each row's positions."""
+        n = max(1, max(len(t) for t in targets))
+        where = [{p: i for i, p in enumerate(ps)} for ps in positions]
+        rows = [[w[q - 1] for q in t] + [0] * (n - len(t)) for t, w in zip(targets, where)]
+        return torch.tensor(rows, dtype=torch.long, device=self.device)
+
     def _after_forward(self, kinds, rows: list[Row], seq: Tensor, targets: list[list[int]], logits: Tensor,
                        refreshed: list[bool], at: list[int] | None = None) -> None:
         """Sample and commit; rows[b] is row at[b] of seq (default b)."""
@@ -199,6 +231,7 @@ class DiffusionDecoder(Decoder):
         for b, (r, kind, tq) in enumerate(zip(rows, kinds, targets)):
             r.nfe += 1
             committed: list[Token] = []
+            n_writes = len(writes)
             if kind == "commit":
                 if tq:  # the clean block's last logit gives the next block's first token
                     self._commit(r, tq[0], tok_l[b][0], conf_l[b][0], committed)
@@ -228,6 +261,7 @@ class DiffusionDecoder(Decoder):
                         t = tok_l[b][j]
                         masked.append(Token(q - r.prompt_len, t, self.tb.piece(t), conf_l[b][j]))
                 self._emit("prefill" if kind == "prefill" else "step", r, k, committed, masked)
+            r.fresh = [q for _, q, _ in writes[n_writes:]]
             self._check_done(r)
         self._write_tokens(seq, writes)
 

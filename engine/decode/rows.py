@@ -28,6 +28,7 @@ class Row:
     answer: list[int | None] = field(default_factory=list)  # answer-relative; None = still masked
     block_start: int = 0
     refreshed_sub: int = -1  # dual cache: sub-block whose block K/V were last refreshed
+    fresh: list[int] = field(default_factory=list)  # positions its last forward committed (K/V still of a mask)
     stop_at: int | None = None  # absolute position of the earliest committed stop token
     emitted: int = 0  # contiguous answer tokens already given to the detokenizer
     emitted_ar: int = 0  # AR: answer tokens produced so far

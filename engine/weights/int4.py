@@ -312,9 +312,10 @@ class LayerStep:
         return all(isinstance(p, Int4Linear) and p.weight.kernels is not None for p in projs) \
             and all(p.bias is None for p in projs[1:]) and layer.self_attn.d % 16 == 0 and layer.self_attn.d <= 128
 
-    def __call__(self, x: Tensor, cache_k: Tensor, cache_v: Tensor, shared: tuple[Tensor, Tensor, Tensor, Tensor]) -> Tensor:
-        cos, sin, pos, mask = shared
+    def __call__(self, x: Tensor, cache_k: Tensor, cache_v: Tensor,
+                 shared: tuple[Tensor, Tensor, Tensor, Tensor, Tensor | None]) -> Tensor:
+        cos, sin, pos, mask, cache_rows = shared  # cache_rows: the cache rows of x's rows (None: 0..B-1)
         wide = self.wide_mode if self.wide_rows is not None and x.shape[1] >= self.wide_rows else 0
         return self.kernels.layer_step(x, self.norm1, self.norm2, self.eps, self.weights, self.lora_a, self.lora_b,
                                        self.slices, self.int8, wide, self.heads, self.kv_heads, cos, sin, cache_k,
-                                       cache_v, pos, mask, self.qkv_bias)
+                                       cache_v, pos, mask, self.qkv_bias, cache_rows)

@@ -194,7 +194,7 @@ torch::Tensor layer_step(torch::Tensor x, torch::Tensor norm1, torch::Tensor nor
                          std::vector<std::vector<torch::Tensor>> lora_b, std::vector<std::vector<int64_t>> lora_slices,
                          bool int8, int64_t wide, int64_t heads, int64_t kv_heads, torch::Tensor cos, torch::Tensor sin,
                          torch::Tensor cache_k, torch::Tensor cache_v, torch::Tensor pos, torch::Tensor mask,
-                         c10::optional<torch::Tensor> qkv_bias) {
+                         c10::optional<torch::Tensor> qkv_bias, c10::optional<torch::Tensor> cache_rows) {
   TORCH_CHECK(x.dim() == 3 && x.scalar_type() == torch::kFloat && x.is_contiguous(), "layer_step: x must be fp32 [B, T, H]");
   TORCH_CHECK(weights.size() == 8 && lora_a.size() == 4 && lora_b.size() == 4 && lora_slices.size() == 4,
               "layer_step: 4 projections (q|k|v, o, gate|up, down)");
@@ -207,6 +207,16 @@ torch::Tensor layer_step(torch::Tensor x, torch::Tensor norm1, torch::Tensor nor
   TORCH_CHECK(pos.scalar_type() == torch::kLong && pos.is_contiguous() && pos.numel() == M, "layer_step: pos [B, T]");
   TORCH_CHECK(cache_k.stride(3) == 1 && cache_v.stride(3) == 1 && cache_k.size(3) == D && cache_k.size(2) >= n,
               "layer_step: cache [B, kv_heads, len, D]");
+  // row b of x reads and writes cache row rows[b] (a part of a batch: no copy of its K/V); default b
+  TORCH_CHECK(!cache_rows.has_value() || (cache_rows->scalar_type() == torch::kLong && cache_rows->is_contiguous() &&
+                                          cache_rows->numel() == B),
+              "layer_step: cache_rows must be int64 [B]");
+  std::vector<int64_t> crow(B);
+  for (int64_t b = 0; b < B; ++b) {
+    crow[b] = cache_rows.has_value() ? cache_rows->data_ptr<int64_t>()[b] : b;
+    TORCH_CHECK(crow[b] >= 0 && crow[b] < cache_k.size(0) && crow[b] < cache_v.size(0), "layer_step: cache row ", crow[b],
+                " outside the cache");
+  }
   const torch::Tensor x2 = x.view({M, H});
 
   // attention half
@@ -233,8 +243,8 @@ torch::Tensor layer_step(torch::Tensor x, torch::Tensor norm1, torch::Tensor nor
     const int64_t b = m / T, p = pp[m];
     TORCH_CHECK(p >= 0 && p < cache_k.size(2), "layer_step: position ", p, " outside the cache");
     for (int64_t h = 0; h < kv_heads; ++h) {
-      std::memcpy(kc + b * kb + h * kh + p * kl, r + heads * D + h * D, D * sizeof(float));
-      std::memcpy(vc + b * vb + h * vh + p * vl, r + QK + h * D, D * sizeof(float));
+      std::memcpy(kc + crow[b] * kb + h * kh + p * kl, r + heads * D + h * D, D * sizeof(float));
+      std::memcpy(vc + crow[b] * vb + h * vh + p * vl, r + QK + h * D, D * sizeof(float));
     }
   }
   auto att = torch::empty({M, heads * D}, x.options());
@@ -252,8 +262,8 @@ torch::Tensor layer_step(torch::Tensor x, torch::Tensor norm1, torch::Tensor nor
       const int64_t b = i / (kv_heads * chunks), g = i / chunks % kv_heads, t0 = i % chunks * kAttnRows;
       const int64_t t1 = std::min(T, t0 + kAttnRows);
       const float* q = qp + b * T * W;
-      const float* kk = kc + b * kb + g * kh;
-      const float* vv = vc + b * vb + g * vh;
+      const float* kk = kc + crow[b] * kb + g * kh;
+      const float* vv = vc + crow[b] * vb + g * vh;
       const bool* mk = mp + b * T * n;
       float* o = ap + b * T * heads * D + g * group * D;
       auto run = [&](auto c) {

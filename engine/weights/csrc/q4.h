@@ -18,4 +18,4 @@ torch::Tensor layer_step(torch::Tensor x, torch::Tensor norm1, torch::Tensor nor
                          std::vector<std::vector<torch::Tensor>> lora_b, std::vector<std::vector<int64_t>> lora_slices,
                          bool int8, int64_t wide, int64_t heads, int64_t kv_heads, torch::Tensor cos, torch::Tensor sin,
                          torch::Tensor cache_k, torch::Tensor cache_v, torch::Tensor pos, torch::Tensor mask,
-                         c10::optional<torch::Tensor> qkv_bias);
+                         c10::optional<torch::Tensor> qkv_bias, c10::optional<torch::Tensor> cache_rows);
