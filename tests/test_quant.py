@@ -163,7 +163,7 @@ def test_wide_int8_kernels_on_the_interleave(gguf):
     """engine/weights/csrc/wide_i8.cpp (FASTDLLM_WIDE_ACTIVATIONS=int8, FASTDLLM_ACTIVATIONS=int8): on the real Q4_1 /
     Q8_0 weights, the exact product of the rows quantised per 32-group to int8 (up to fp32 summation), within
     llama.cpp-like error of the fp32 product; every row equals itself computed alone at any row count (register
-    chunks of 8 rows) and thread count; output counts that are not a multiple of 16 (a tail block) too."""
+    passes of up to 9 rows, split evenly) and thread count; output counts that are not a multiple of 16 (a tail block) too."""
     k = cpu_kernels.load("ours")
     down = gguf.q4["model.layers.5.mlp.down_proj"]  # K = 1536
     qkv = quant._fused_blocks(gguf, 7, "self_attn", ("q_proj", "k_proj", "v_proj"))  # 960 outputs

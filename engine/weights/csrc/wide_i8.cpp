@@ -28,7 +28,9 @@ namespace {
 constexpr int64_t kGroup = 32;
 constexpr int kTile = 4;     // outputs per tile of the stored layout (q4.cpp)
 constexpr int kBlock = 16;   // outputs per vector here
-constexpr int kRowsMax = 8;  // rows per register chunk: 8 float + 8 int32 accumulators
+// rows per register chunk: up to 9 float + 9 int32 accumulators; M rows go in ceil(M / 9) passes of equal size
+// (9 = the dual cache's sub-block step in one pass, not 8 + a 1-row pass that reloads every weight for one row)
+constexpr int kRowsMax = 9;
 
 // Rows quantised per 32-group: q int8 [M, K]; d [M, G] = d_x; s [M, G] = d_x * sum(q_x).
 struct RowsI8 {
@@ -153,18 +155,18 @@ void rows_i8(const uint8_t* buf, const float* dw, const float* mw, const int8_t*
              int64_t K, int64_t G, float* y, int64_t ldy, __mmask16 keep, const char* pf, int64_t pf_bytes) {
   const int64_t pf_step = pf ? ((pf_bytes / G + 63) / 64) * 64 : 0;  // whole lines per group
   __m512 acc[RB];
-  #pragma GCC unroll 8
+  #pragma GCC unroll 16
   for (int r = 0; r < RB; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t g = 0; g < G; ++g) {
     for (int64_t b = g * pf_step; b < std::min((g + 1) * pf_step, pf_bytes); b += 64) _mm_prefetch(pf + b, _MM_HINT_T1);
     const uint8_t* wg = buf + g * 8 * 64;
     __m512i dot[RB];
-    #pragma GCC unroll 8
+    #pragma GCC unroll 16
     for (int r = 0; r < RB; ++r) dot[r] = _mm512_setzero_si512();
-    #pragma GCC unroll 8
+    #pragma GCC unroll 16
     for (int c = 0; c < 8; ++c) {
       const __m512i wv = _mm512_load_si512(wg + c * 64);
-      #pragma GCC unroll 8
+      #pragma GCC unroll 16
       for (int r = 0; r < RB; ++r) {
         int32_t xw;
         __builtin_memcpy(&xw, xq + r * K + g * kGroup + 4 * c, 4);
@@ -172,13 +174,13 @@ void rows_i8(const uint8_t* buf, const float* dw, const float* mw, const int8_t*
       }
     }
     const __m512 d = _mm512_load_ps(dw + g * kBlock), m = _mm512_load_ps(mw + g * kBlock);
-    #pragma GCC unroll 8
+    #pragma GCC unroll 16
     for (int r = 0; r < RB; ++r) {
       acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r]), _mm512_mul_ps(d, _mm512_set1_ps(dx[r * G + g])), acc[r]);
       acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(sx[r * G + g]), acc[r]);
     }
   }
-  #pragma GCC unroll 8
+  #pragma GCC unroll 16
   for (int r = 0; r < RB; ++r) _mm512_mask_storeu_ps(y + r * ldy, keep, acc[r]);
 }
 
@@ -192,7 +194,8 @@ void with_rows(int64_t rb, const Fn& fn) {
     case 5: fn(std::integral_constant<int, 5>{}); break;
     case 6: fn(std::integral_constant<int, 6>{}); break;
     case 7: fn(std::integral_constant<int, 7>{}); break;
-    default: fn(std::integral_constant<int, 8>{}); break;
+    case 8: fn(std::integral_constant<int, 8>{}); break;
+    default: fn(std::integral_constant<int, 9>{}); break;
   }
 }
 
@@ -235,8 +238,9 @@ torch::Tensor mm_i8_wide(torch::Tensor x, torch::Tensor w, torch::Tensor sc, boo
       const int64_t tile_bytes = (G / 2) * kTile * (q8 ? 64 : 32);
       const char* pf = blk + 1 < blocks ? reinterpret_cast<const char*>(wp + (n0 + kBlock) / kTile * tile_bytes) : nullptr;
       const int64_t pf_bytes = pf ? (std::min<int64_t>(kBlock, N - n0 - kBlock) / kTile) * tile_bytes : 0;
-      for (int64_t m0 = 0; m0 < M; m0 += kRowsMax)
-        with_rows(std::min<int64_t>(kRowsMax, M - m0), [&](auto RB) {
+      const int64_t passes = (M + kRowsMax - 1) / kRowsMax;
+      for (int64_t i = 0, m0 = 0, rb = 0; i < passes; ++i, m0 += rb)
+        with_rows(rb = (M - m0 + passes - i - 1) / (passes - i), [&](auto RB) {
           rows_i8<RB.value>(buf, dw, mw, xq + m0 * K, dx + m0 * G, sx + m0 * G, K, G, yp + m0 * N + n0, N, keep,
                             m0 == 0 ? pf : nullptr, pf_bytes);
         });
