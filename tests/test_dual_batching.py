@@ -95,7 +95,7 @@ def test_dual_sparse_batches_decode_as_alone_with_narrower_sub_steps(engine, mon
     from engine import ConfigError, Engine
 
     ids = chat_ids(engine, MESSAGES)
-    cfg = engine.decode_config(mode="diffusion", cache="dual-sparse", threshold=0.9, max_new_tokens=40)
+    cfg = engine.decode_config(mode="diffusion", cache="dual-sparse", threshold=0.9, max_new_tokens=32)
     alone = [engine.generate_ids([i], cfg)[0] for i in ids]
     shapes: list[tuple[int, int]] = []
     real = engine.lm.dllm.forward

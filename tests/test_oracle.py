@@ -165,8 +165,7 @@ def bundled_prompts(engine) -> list[list[int]]:
     return [text[:5], chat[:31], chat[:32], chat[:33], text[:64]]
 
 
-@pytest.mark.parametrize("cache,bs,sbs,threshold", [("none", 16, 4, 0.5), ("block", 32, 8, 0.9), ("dual", 16, 4, 0.7),
-                                                     ("dual-sparse", 32, 8, 0.9)])
+@pytest.mark.parametrize("cache,bs,sbs,threshold", [("none", 16, 4, 0.5), ("block", 32, 8, 0.9), ("dual", 16, 4, 0.7)])
 def test_engine_equals_oracle_on_the_bundled_model(engine, one_thread, cache, bs, sbs, threshold):
     """The bundled dLLM (30 layers, its trained adapter): a few tokens per row, five rows at different block starts."""
     prompts = bundled_prompts(engine)
