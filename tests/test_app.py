@@ -58,6 +58,20 @@ def test_multi_turn_history_is_in_the_prompt(client, server, turn):
     assert Trace.loads(second).header["prompt_len"] > Trace.loads(first).header["prompt_len"]
 
 
+def test_every_cache_choice_of_the_ui_decodes_through_the_api(client, server):
+    """The cache radio offers engine.CACHE_MODES; the newest, dual-sparse, goes through /generate like the others and
+    its trace says so."""
+    from engine import CACHE_MODES
+
+    assert "dual-sparse" in CACHE_MODES
+    text, trace_json = client.predict("What is the capital of France?", [],
+                                      {**QUICK, "mode": server.mode, "cache": "dual-sparse", "max_new_tokens": 12},
+                                      api_name="/generate")
+    trace = Trace.loads(trace_json)
+    assert trace.summary.text == text and trace.summary.answer_tokens >= 1
+    assert server.mode == "diffusion" and trace.header["config"]["cache"] == "dual-sparse"
+
+
 @pytest.mark.parametrize("settings, field, words", [
     ({"block_size": 32, "sub_block_size": 5}, "sub_block_size", "divide"),
     ({"threshold": 0}, "threshold", "(0, 1]"),
