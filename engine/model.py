@@ -260,24 +260,24 @@ class CausalLM(nn.Module):
         `cache_rows` [B]: the cache rows this forward's rows use (a part of a batch; None: rows 0..B-1). The one-call
         layer steps address them in place; the eager layers run on a compact copy whose new positions are put back.
         """
-        if cache_rows is not None:
-            fused = self.steps is not None and ids.device.type == "cpu" and (mask is None or isinstance(mask, Tensor)) \
-                and not torch.is_grad_enabled() and ids.shape[1] <= self.steps[0].max_width and not WIDE_CALLS.get()
-            if not fused:
-                n = int(pos.max()) + 1 if kv_len is None else kv_len
-                part = cache.take(cache_rows, min(whole_key_quanta(n), cache.k.shape[3]))
-                out = self(ids, pos, part, start=start, kv_len=kv_len, mask=mask, causal=causal, logits_idx=logits_idx)
-                cache.put(cache_rows, part, int(pos.min()), int(pos.max()) + 1)
-                return out
+        # the one-call layer steps (engine/weights/csrc/layer.cpp) run cached CPU forwards up to their width
+        explicit = cache is not None and ids.device.type == "cpu" and (mask is None or isinstance(mask, Tensor))
+        fused = explicit and self.steps is not None and not torch.is_grad_enabled() \
+            and ids.shape[1] <= self.steps[0].max_width and not WIDE_CALLS.get()
+        if cache_rows is not None and not fused:
+            n = int(pos.max()) + 1 if kv_len is None else kv_len
+            part = cache.take(cache_rows, min(whole_key_quanta(n), cache.k.shape[3]))
+            out = self(ids, pos, part, start=start, kv_len=kv_len, mask=mask, causal=causal, logits_idx=logits_idx)
+            cache.put(cache_rows, part, int(pos.min()), int(pos.max()) + 1)
+            return out
         x = self.model.embed_tokens(ids)
         cos, sin = self.rope(pos, x.dtype)
         if cache is not None and kv_len is None:
             kv_len = int(pos.max()) + 1
-        if cache is not None and x.device.type == "cpu" and (mask is None or isinstance(mask, Tensor)):
+        if explicit:
             mask, kv_len = _quantum_mask(pos, mask, causal, kv_len, cache.k.shape[3])
             causal = False
-        if self.steps is not None and cache is not None and isinstance(mask, Tensor) and not torch.is_grad_enabled() \
-                and x.shape[1] <= self.steps[0].max_width and not WIDE_CALLS.get():
+        if fused:
             b, t = ids.shape
             d = cos.shape[-1]
             shared = (cos.expand(b, 1, t, d).reshape(b * t, d).contiguous(), sin.expand(b, 1, t, d).reshape(b * t, d).contiguous(),
