@@ -169,8 +169,9 @@ class Engine:
         if cfg.mode == "diffusion" and not self.can_diffuse:
             raise ConfigError("mode", "this model has no |<MASK>| token and cannot decode by block diffusion; use 'ar'")
         if cfg.mode == "diffusion" and cfg.cache == "dual-sparse" and self.static:
-            raise ConfigError("cache", "'dual-sparse' runs on the dynamic path only, and this engine runs static "
-                                       "shapes (CUDA graphs); use 'dual', or load with FASTDLLM_STATIC=0")
+            raise ConfigError("cache", "'dual-sparse' runs on the dynamic path only, and this engine runs static-shape "
+                                       "steps (FASTDLLM_STATIC; CUDA graphs on a GPU); use 'dual', or load with "
+                                       "FASTDLLM_STATIC=0")
         return fit_to_context(ids, cfg, self.max_context)
 
     def trace_header(self, ids: list[int], cfg: DecodeConfig, prompt: str | None) -> dict[str, Any]:
