@@ -145,10 +145,12 @@ class _Row:
             rest = [q for q in self.masked() if lo + sbs <= q < start + bs]  # the heatmap's rest of the block
             self.run.where.append((start // bs, k))
             if kind == "sub" and self.cache == "dual-sparse":
-                # only the positions whose logits are read and those the previous forward committed (their K/V
-                # were written with the mask as input), over the K/V every other position last got
+                # only the positions whose logits are read, those the previous forward committed (their K/V were
+                # written with the mask as input) and the one left of each of those, over the K/V every other
+                # position last got
                 a, b = self.window()
-                need = sorted({q - 1 for q in cand if q - 1 >= a} | {q for q in self.last if a <= q < b})
+                need = sorted({q - 1 for q in cand if q - 1 >= a} | {q for q in self.last if a <= q < b}
+                              | {q - 1 for q in self.last if a <= q - 1 < b})
                 logits = self.model(self.seq[:, need], torch.tensor([need]), self.kv, kv_len=start + bs)[0]
                 picks = [_greedy(logits[need.index(q - 1)], self.mask_id) for q in cand]
             elif kind == "sub":  # only the window [lo - 1, lo + sbs), over stale block K/V
@@ -188,7 +190,7 @@ def decode(model, prompts: list[list[int]], *, mask_id: int, stop_ids, block_siz
     "none" and "block" caches must match it exactly). cache "dual": a step that does not start a sub-block runs
     only the window [lo - 1, lo + sub_block_size) over the K/V its sub-block's first (whole-block) step wrote, so
     the rest of the block's K/V are stale. cache "dual-sparse": such a step runs only the positions whose logits it
-    reads and those the previous forward committed."""
+    reads, those the previous forward committed and the one left of each of those."""
     rows = [_Row(model, p, mask_id, stop_ids, block_size, sub_block_size, threshold, strategy, factor,
                  max_new_tokens, cache, stop_guard) for p in prompts]
     for r in rows:
