@@ -47,7 +47,7 @@ INFO = {
     "factor": "Factor strategy only: larger commits more tokens per forward (faster, riskier).",
     "cache": "none: recompute the prefix every step; block: cache finished blocks; "
              "dual: also reuse the active block's K/V; dual-sparse: dual whose sub-block steps compute only the "
-             "positions they read and the tokens just committed (faster, approximate; CPU).",
+             "positions they read, the tokens just committed and their left neighbours (faster, approximate; CPU).",
     "max_new_tokens": f"Upper bound on answer tokens, 1 to {MAX_NEW_TOKENS} (the stop token usually ends the answer "
                       "earlier).",
     "temperature": "0 = greedy (deterministic). Higher values sample more freely.",
