@@ -34,14 +34,9 @@ def forwards_of(result) -> list[tuple[str, list[int]]]:
     return [(e.kind, [t.id for t in e.committed]) for e in result.trace.events]
 
 
-def test_a_dual_batch_gives_every_row_its_single_row_forwards(engine, monkeypatch):
-    """Four rows at different block starts and sub-blocks: the same commits at every forward, tokens and NFE as
-    each row alone; the batch ran whole-block and both sub-block widths, several in one step where rows differed."""
-    ids = chat_ids(engine, MESSAGES)
-    bs = 32
-    assert len({len(i) // bs for i in ids}) > 1 and len({len(i) % bs // 8 for i in ids}) > 2, [len(i) for i in ids]
-    cfg = engine.decode_config(mode="diffusion", cache="dual", block_size=bs, sub_block_size=8, threshold=0.9,
-                               max_new_tokens=40)
+def batch_against_alone(engine, monkeypatch, ids: list[list[int]], cfg) -> tuple[list, list[tuple[int, int]]]:
+    """Each prompt decoded alone, then all as one batch whose forward shapes are recorded; asserts every row of the
+    batch made the same commits at every forward, the same tokens and NFE as alone. Returns (alone, shapes)."""
     alone = [engine.generate_ids([i], cfg)[0] for i in ids]
     shapes: list[tuple[int, int]] = []
     real = engine.lm.dllm.forward
@@ -51,6 +46,18 @@ def test_a_dual_batch_gives_every_row_its_single_row_forwards(engine, monkeypatc
     for i, (b, a) in enumerate(zip(batch, alone)):
         assert forwards_of(b) == forwards_of(a), f"row {i} ({len(ids[i])} prompt tokens)"
         assert b.summary.token_ids == a.summary.token_ids and b.summary.nfe == a.summary.nfe
+    return alone, shapes
+
+
+def test_a_dual_batch_gives_every_row_its_single_row_forwards(engine, monkeypatch):
+    """Four rows at different block starts and sub-blocks: the same commits at every forward, tokens and NFE as
+    each row alone; the batch ran whole-block and both sub-block widths, several in one step where rows differed."""
+    ids = chat_ids(engine, MESSAGES)
+    bs = 32
+    assert len({len(i) // bs for i in ids}) > 1 and len({len(i) % bs // 8 for i in ids}) > 2, [len(i) for i in ids]
+    cfg = engine.decode_config(mode="diffusion", cache="dual", block_size=bs, sub_block_size=8, threshold=0.9,
+                               max_new_tokens=40)
+    alone, shapes = batch_against_alone(engine, monkeypatch, ids, cfg)
     assert len({len(a.summary.token_ids) for a in alone}) > 1, "rows must finish at different forwards"
     steps = shapes[1:]  # after the prefill
     assert {w for _, w in steps} >= {8, 9, bs}, "whole-block forwards and both sub-block widths"
@@ -96,15 +103,7 @@ def test_dual_sparse_batches_decode_as_alone_with_narrower_sub_steps(engine, mon
 
     ids = chat_ids(engine, MESSAGES)
     cfg = engine.decode_config(mode="diffusion", cache="dual-sparse", threshold=0.9, max_new_tokens=32)
-    alone = [engine.generate_ids([i], cfg)[0] for i in ids]
-    shapes: list[tuple[int, int]] = []
-    real = engine.lm.dllm.forward
-    monkeypatch.setattr(engine.lm.dllm, "forward", lambda x, *a, **k: shapes.append(tuple(x.shape)) or real(x, *a, **k))
-    batch = engine.generate_ids(ids, cfg)
-    monkeypatch.undo()
-    for i, (b, a) in enumerate(zip(batch, alone)):
-        assert forwards_of(b) == forwards_of(a), f"row {i} ({len(ids[i])} prompt tokens)"
-        assert b.summary.token_ids == a.summary.token_ids and b.summary.nfe == a.summary.nfe
+    _, shapes = batch_against_alone(engine, monkeypatch, ids, cfg)
     widths = [w for _, w in shapes[1:]]
     assert min(widths) < 8 and 32 in widths, sorted(set(widths))
     with pytest.raises(ConfigError, match="cache.*dual-sparse.*dynamic path"):

@@ -123,8 +123,8 @@ class DiffusionDecoder(Decoder):
         else:
             starts = [s for _, s, _, _ in plan]
             if any(p is not None for *_, p in plan):  # dual-sparse sub-block steps: each row's own positions
-                pos = torch.tensor([p if p is not None else list(range(s, s + width)) for _, s, _, p in plan],
-                                   device=self.device)
+                listed = [p if p is not None else list(range(s, s + width)) for _, s, _, p in plan]
+                pos = torch.tensor(listed, device=self.device)
                 same = False
             else:
                 pos = torch.tensor(starts, device=self.device)[:, None] + torch.arange(width, device=self.device)[None]
@@ -140,7 +140,7 @@ class DiffusionDecoder(Decoder):
         if cfg.cache == "none" or all(p is None for *_, p in plan):
             idx = self._idx(targets, starts)
         else:  # where each target's logits sit among the row's forward positions
-            idx = self._idx_at(targets, pos.tolist())
+            idx = self._idx_at(targets, listed)
         if cfg.cache == "none":
             logits = self.model(seq[:, :width], pos, None, mask=mask, logits_idx=idx)
         elif self.stepper is not None:  # static widths: the block, or the sub-block + 1 (see engine/static.py)
