@@ -44,17 +44,18 @@ def make_variant(model: torch.nn.Module, spec: str) -> torch.nn.Module:
 
 
 def quantized(model: torch.nn.Module, spec: str) -> torch.nn.Module:
-    """A copy of the bundled dLLM with FASTDLLM_WEIGHTS=mode[@wide_rows][/act[/wide_act]] weights (LoRA as its own
-    path; act = FASTDLLM_ACTIVATIONS of our 4-bit kernels, fp32 or int8; wide_act = FASTDLLM_WIDE_ACTIVATIONS, bf16
-    or int8)."""
+    """A copy of the bundled dLLM with FASTDLLM_WEIGHTS=mode[@wide_rows][/act[/wide_act[/prepack]]] weights (LoRA as
+    its own path; act = FASTDLLM_ACTIVATIONS of our 4-bit kernels, fp32 or int8; wide_act = FASTDLLM_WIDE_ACTIVATIONS,
+    bf16 or int8; prepack = FASTDLLM_INT8_PREPACK, 0 or 1, unset: by size)."""
     from engine.weights import quant
     from engine.weights import BUNDLED_ADAPTER, bundled_base_dir, bundled_gguf_path, read_adapter_tensors
 
     spec, _, acts = spec.partition("/")
     act, _, wide_act = acts.partition("/")
+    wide_act, _, prepack = wide_act.partition("/")
     mode, _, wide = spec.partition("@")
     policy = quant.WeightPolicy(mode, int(wide) if wide else None, act or quant.DEFAULT_ACT,
-                                wide_act=wide_act or quant.DEFAULT_WIDE_ACT)
+                                wide_act=wide_act or quant.DEFAULT_WIDE_ACT, prepack={"": None, "0": False, "1": True}[prepack])
     tensors, scale = read_adapter_tensors(BUNDLED_ADAPTER)
     gguf = quant.cached_gguf(bundled_gguf_path(), model.cfg.num_attention_heads, model.cfg.num_key_value_heads,
                              bundled_base_dir() / "q4_1_blocks.safetensors")
@@ -94,7 +95,8 @@ def add_parser(sub) -> None:
     p.add_argument("--variants", default="fp32,bf16",
                    help="comma list of fp32, bf16, fp16, each optionally +packed (CPU decode layout) and/or +compile; "
                         "or weights=MODE[@ROWS][/ACT] (the bundled GGUF's weights, FASTDLLM_WEIGHTS modes of engine/weights/quant.py; "
-                        "ACT: fp32 or int8 activations of our 4-bit kernels)")
+                        "ACT: fp32 or int8 activations of our 4-bit kernels; MODE[@ROWS]/ACT/WIDE_ACT/PREPACK adds the "
+                        "wide calls' activations, bf16 or int8, and FASTDLLM_INT8_PREPACK, 0 or 1)")
     p.add_argument("--widths", default=None,
                    help="comma list of forced widths k (k tokens against the cached prefix, LM head on all k) "
                         "instead of the decode shapes")

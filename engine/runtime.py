@@ -58,6 +58,9 @@ class Runtime:
     activations: str = "fp32"  # FASTDLLM_ACTIVATIONS: our 4-bit kernels' narrow activations (fp32 | int8)
     # FASTDLLM_WIDE_ACTIVATIONS: our 4-bit kernels' wide activations, bf16 | int8 (None: bf16; the studio picks int8)
     wide_activations: str | None = None
+    # FASTDLLM_INT8_PREPACK: int8-activation products on a copy of the 4-bit weights prepacked at load (None: when
+    # that copy is small, engine.weights.quant.PREPACK_MAX_BYTES)
+    int8_prepack: bool | None = None
     kernels: str = "auto"  # FASTDLLM_KERNELS: auto | ours | torch
     fused: bool = True  # FASTDLLM_FUSED: one C++ call per decoder layer for narrow 4-bit forwards
     pack: bool = True  # FASTDLLM_PACK: the dense CPU decode layout
@@ -88,6 +91,7 @@ class Runtime:
             int4_wide_rows=_int("FASTDLLM_INT4_WIDE_ROWS", 2),
             activations=env.get("FASTDLLM_ACTIVATIONS", "fp32"),
             wide_activations=env.get("FASTDLLM_WIDE_ACTIVATIONS") or None,
+            int8_prepack=_flag("FASTDLLM_INT8_PREPACK", None),
             kernels=env.get("FASTDLLM_KERNELS", "auto"),
             fused=bool(_flag("FASTDLLM_FUSED", True)),
             pack=bool(_flag("FASTDLLM_PACK", True)),

@@ -834,3 +834,65 @@ def test_wide_head_runs_the_q8_rows_in_bf16_from_the_switch():
         torch.testing.assert_close(y, each, atol=0, rtol=0)  # each sequence as alone
     x = torch.randn(1, 33, 192, generator=g)  # no switch (int4, bf16 and fp32 modes): fp32 activations at any width
     assert torch.equal(quant.LMHead(head, None, "fp32")(x)[0], f32(x[0]))
+
+
+@needs_ours
+def test_prepacked_int8_copy_gives_the_interleaves_numbers(gguf, monkeypatch):
+    """wide_i8.cpp's prepacked copy (i8w_prepack, q4_i8p / q8_i8p): the int8 products of the per-call interleave
+    (q4_i8w / q8_i8w) bit for bit, at every row count and thread count, tail blocks included; a copy that does not
+    match the activations is refused. Engine.load makes it for the bundled model when int8 products run
+    (FASTDLLM_INT8_PREPACK unset: the copy is small), not when the switch says 0 or the copy is over
+    PREPACK_MAX_BYTES; a model's forwards are the same either way."""
+    from engine import Engine
+    from engine.model import KVCache
+
+    k = cpu_kernels.load("ours")
+    cases = []
+    for blocks in (gguf.q4["model.layers.5.mlp.down_proj"], _small_blocks(44, 128)):
+        w = quant.Int4Weight(blocks, dense_bf16=False)
+        pk, ps = k.i8w_prepack(w.qs, w.dm, False)
+        cases.append((blocks.q.shape[1], lambda x, w=w: k.q4_i8w(x, w.qs, w.dm),
+                      lambda x, w=w, pk=pk, ps=ps: k.q4_i8p(x, pk, ps, w.out_features)))
+    for q, d in ((gguf.embed_q[:4096], gguf.embed_d[:4096]), (gguf.embed_q[:20], gguf.embed_d[:20])):
+        head = quant.Q8Head(q, d)
+        pk, ps = k.i8w_prepack(head.u, head.d, True)
+        cases.append((q.shape[1], lambda x, h=head: k.q8_i8w(x, h.u, h.d),
+                      lambda x, h=head, pk=pk, ps=ps: k.q8_i8p(x, pk, ps, h.u.shape[0])))
+    threads = torch.get_num_threads()
+    try:
+        for features, per_call, prepacked in cases:
+            x = torch.randn(19, features) * torch.rand(1, features) * 3
+            for t in (1, 2):
+                torch.set_num_threads(t)
+                for rows in (1, 3, 8, 9, 10, 17, 19):
+                    assert torch.equal(prepacked(x[:rows].contiguous()), per_call(x[:rows].contiguous())), (features, rows)
+    finally:
+        torch.set_num_threads(threads)
+    w = quant.Int4Weight(_small_blocks(44, 128), dense_bf16=False)
+    pk, ps = k.i8w_prepack(w.qs, w.dm, False)
+    with pytest.raises(RuntimeError, match="q4_i8p: the prepacked weights do not match x's 64 features and 44 outputs"):
+        k.q4_i8p(torch.randn(2, 64), pk, ps, 44)
+    # the engine: made where int8 products run and the copy is small, the same forwards as without it
+    monkeypatch.setenv("FASTDLLM_WEIGHTS", "int4+bf16")
+    monkeypatch.setenv("FASTDLLM_FUSED", "1")
+    monkeypatch.setenv("FASTDLLM_WIDE_ACTIVATIONS", "int8")
+    outs = {}
+    for switch in ("", "0"):
+        monkeypatch.setenv("FASTDLLM_INT8_PREPACK", switch)
+        m = Engine.load().lm.dllm
+        has = m.lm_head.core.pk is not None and len(m.steps[0].weights) == 16 \
+            and all(layer.mlp.gate_up.weight.pk is not None for layer in m.model.layers)
+        assert has == (switch == ""), switch
+        ids = torch.randint(0, 2000, (1, 41), generator=torch.Generator().manual_seed(5))
+        pos = torch.arange(41)[None]
+        with torch.inference_mode():
+            cache = KVCache(m.cfg, 1, 64, torch.device("cpu"), torch.float32)
+            m(ids[:, :32], pos[:, :32], cache=cache, start=0, causal=True)
+            outs[switch] = m(ids[:, 32:41], pos[:, 32:41], cache=cache, start=32, causal=False)  # a sub-block step
+    assert torch.equal(outs[""], outs["0"])
+    monkeypatch.setenv("FASTDLLM_INT8_PREPACK", "")
+    monkeypatch.setattr(quant, "PREPACK_MAX_BYTES", 1 << 20)
+    assert Engine.load().lm.dllm.lm_head.core.pk is None  # over the budget: the per-call interleave
+    monkeypatch.setenv("FASTDLLM_WIDE_ACTIVATIONS", "bf16")
+    monkeypatch.setattr(quant, "PREPACK_MAX_BYTES", 1 << 40)
+    assert Engine.load().lm.dllm.lm_head.core.pk is None  # no int8 products: no copy

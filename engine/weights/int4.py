@@ -86,16 +86,21 @@ class Int4Weight(nn.Module):
     take int8 activations (`q4_i8w`, `wide_act` "int8"). Otherwise torch's int4 pack, whose kernel wants bf16 scales
     and zeros (d and m + 8d rounded to bf16), and a dense bf16 copy."""
 
-    def __init__(self, blocks: Q4Blocks, dense_bf16: bool, kernels: str = "auto", wide_act: str = DEFAULT_WIDE_ACT):
+    def __init__(self, blocks: Q4Blocks, dense_bf16: bool, kernels: str = "auto", wide_act: str = DEFAULT_WIDE_ACT,
+                 prepack: bool = False):
         super().__init__()
         self.out_features, self.in_features = blocks.q.shape
         self.kernels = _ours(self.out_features, self.in_features, kernels)
         self.wide_bf16 = False  # wide calls through q4_bf16 (no dense copy)
         self.wide_int8 = False  # wide calls through q4_i8w (no dense copy)
+        self.register_buffer("pk", None)  # `prepack`: the int8 calls' prepacked copy (q4_i8p: pk, ps)
+        self.register_buffer("ps", None)
         dense = None
         if self.kernels is not None:
             self.register_buffer("qs", pack_pairs(blocks.q))
             self.register_buffer("dm", tiled(torch.stack([blocks.d, blocks.m], -1).half(), self.in_features // GROUP))
+            if prepack:
+                self.pk, self.ps = self.kernels.i8w_prepack(self.qs, self.dm, False)
             self.wide_int8 = dense_bf16 and wide_act == "int8"
             self.wide_bf16 = dense_bf16 and not self.wide_int8 and cpu_kernels.bf16_ok()
             if dense_bf16 and not self.wide_bf16 and not self.wide_int8:
@@ -118,14 +123,20 @@ class Int4Weight(nn.Module):
                                                               self.scale_zero).float()
         x = x.float().contiguous()
         if act == "int8":
-            return self.kernels.q4_i8w(x, self.qs, self.dm)
+            return self.int8(x)
         return self.kernels.q4_f32(x, self.qs, self.dm)
+
+    def int8(self, x: Tensor) -> Tensor:
+        """x fp32 [rows, in] -> [rows, out], int8 activations: on the prepacked copy if there is one (same numbers)."""
+        if self.pk is not None:
+            return self.kernels.q4_i8p(x, self.pk, self.ps, self.out_features)
+        return self.kernels.q4_i8w(x, self.qs, self.dm)
 
     def wide(self, x: Tensor) -> Tensor:
         """x [rows, in] -> [rows, out] fp32, int4+bf16's wide calls: bf16 weights and activations, or the 4-bit
         weights with int8 activations (FASTDLLM_WIDE_ACTIVATIONS=int8)."""
         if self.wide_int8:
-            return self.kernels.q4_i8w(x.float().contiguous(), self.qs, self.dm)
+            return self.int8(x.float().contiguous())
         if self.wide_bf16:
             return self.kernels.q4_bf16(x.float().contiguous(), self.qs, self.dm)
         return F.linear(x.to(torch.bfloat16), self.dense).float()
@@ -202,6 +213,8 @@ class Q8Head(nn.Module):
     def __init__(self, q: Tensor, d: Tensor, kernels: str = "auto", wide_act: str = DEFAULT_WIDE_ACT):
         super().__init__()
         self.kernels = _ours(*q.shape, kernels)
+        self.register_buffer("pk", None)  # `prepack`: the int8 calls' prepacked copy (q8_i8p: pk, ps)
+        self.register_buffer("ps", None)
         self.wide_int8 = self.kernels is not None and wide_act == "int8"  # q8_i8w for wide calls
         # q8_bf16 for wide calls (read /proc once)
         self.wide_bf16 = self.kernels is not None and not self.wide_int8 and cpu_kernels.bf16_ok()
@@ -223,14 +236,26 @@ class Q8Head(nn.Module):
         if self.kernels is not None:
             x = x2.float().contiguous()
             if wide and self.wide_int8:
-                return self.kernels.q8_i8w(x, self.u, self.d)
+                return self.int8(x)
             if wide and self.wide_bf16:
                 return self.kernels.q8_bf16(x, self.u, self.d)
-            return self.kernels.q8_i8w(x, self.u, self.d) if act == "int8" else self.kernels.q8_f32(x, self.u, self.d)
+            return self.int8(x) if act == "int8" else self.kernels.q8_f32(x, self.u, self.d)
         if width < HEAD_WIDE_ROWS:
             hi, lo = self.planes
             return hi.narrow(x2, "fp32") + lo.narrow(x2, "fp32")
         return F.linear(x2.to(torch.bfloat16), self.weight).float()
+
+
+    def prepack(self) -> None:
+        """Make the int8 calls' prepacked copy (once; a model decides for its whole set of weights)."""
+        if self.kernels is not None and self.pk is None:
+            self.pk, self.ps = self.kernels.i8w_prepack(self.u, self.d, True)
+
+    def int8(self, x: Tensor) -> Tensor:
+        """x fp32 [rows, hidden] -> logits, int8 activations: on the prepacked copy if there is one (same numbers)."""
+        if self.pk is not None:
+            return self.kernels.q8_i8p(x, self.pk, self.ps, self.u.shape[0])
+        return self.kernels.q8_i8w(x, self.u, self.d)
 
 
 class LMHead(nn.Module):
@@ -300,6 +325,8 @@ class LayerStep:
         self.norm1, self.norm2 = layer.input_layernorm.weight, layer.post_attention_layernorm.weight
         self.eps = layer.input_layernorm.eps
         self.weights = [t for p in projs for t in (p.weight.qs, p.weight.dm)]
+        if all(p.weight.pk is not None for p in projs):  # layer.cpp runs int8 products on the prepacked copies
+            self.weights += [t for p in projs for t in (p.weight.pk, p.weight.ps)]
         self.lora_a = [p.lora.a_t if p.lora is not None else None for p in projs]
         self.lora_b = [[p.lora._buffers[b] for b, *_ in p.lora.slices] if p.lora is not None else [] for p in projs]
         self.slices = [p.lora.bounds if p.lora is not None else [] for p in projs]

@@ -22,6 +22,12 @@ from .lora import LoRA, exact_weights  # noqa: F401 (engine.weights.quant.LoRA)
 
 MODES = ("int4+bf16", "int4", "bf16", "fp32")
 DEFAULT_MODE = "int4+bf16"
+# Int8-activation products (FASTDLLM_WIDE_ACTIVATIONS=int8, FASTDLLM_ACTIVATIONS=int8) run on a second copy of the
+# 4-bit weights, prepacked at load into the kernel's 16-output interleave, when that copy (about the 4-bit model's
+# size) is at most this many bytes, unless FASTDLLM_INT8_PREPACK says: the bundled model's ~96 MB, yes (a 9-wide
+# step 1.13-1.18x cheaper per projection, 1.45x in the head); Qwen2.5-1.5B's ~1.1 GB, no (issue 23's 2.5 GB peak
+# RSS), so its wide calls build the interleave per call. bench/results/prepack/.
+PREPACK_MAX_BYTES = 512 << 20
 
 
 
@@ -38,6 +44,7 @@ class WeightPolicy:
     kernels: str = "auto"
     fused: bool = True
     wide_act: str = DEFAULT_WIDE_ACT
+    prepack: bool | None = None  # FASTDLLM_INT8_PREPACK (None: when the copy is at most PREPACK_MAX_BYTES)
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -53,11 +60,16 @@ class WeightPolicy:
     @classmethod
     def of(cls, runtime: Runtime) -> "WeightPolicy":
         return cls(runtime.weights, runtime.int4_wide_rows, runtime.activations, runtime.kernels, runtime.fused,
-                   runtime.wide_activations or DEFAULT_WIDE_ACT)
+                   runtime.wide_activations or DEFAULT_WIDE_ACT, runtime.int8_prepack)
 
     @classmethod
     def from_env(cls) -> "WeightPolicy":
         return cls.of(Runtime.from_env())
+
+    def int8_calls(self) -> bool:
+        """Some products take int8 activations: narrow ones, or int4+bf16's wide ones."""
+        return self.mode in ("int4", "int4+bf16") and (self.act == "int8" or
+                                                       (self.mode == "int4+bf16" and self.wide_act == "int8"))
 
     def switch(self, ours: bool) -> int:
         """Positions per sequence from which int4+bf16 runs bf16 activations, with our kernels or torch's."""
@@ -100,6 +112,18 @@ class QuantizedPair:
         # shared by the base and the dLLM: the embedding's rows when tied (the bundled GGUF), else the head's own
         q, d = (weights.head_q, weights.head_d) if weights.head_q is not None else (weights.embed_q, weights.embed_d)
         self.head = Q8Head(q, d, policy.kernels, policy.wide_act)
+        self.prepack: bool | None = None  # decided on the first apply(), from the model's shape
+
+    def _decide_prepack(self, model: CausalLM) -> bool:
+        """Whether the int8 products get prepacked copies (PREPACK_MAX_BYTES): Q4_1 is 5 bits a weight with its
+        scales, Q8_0 8.5 (bytes counted from the model's shapes, no block read)."""
+        if not self.policy.int8_calls() or self.head.kernels is None:
+            return False
+        if self.policy.prepack is not None:
+            return self.policy.prepack
+        projs = sum(m.in_features * m.out_features for layer in model.model.layers
+                    for sub in (layer.self_attn, layer.mlp) for m in sub.children() if isinstance(m, nn.Linear))
+        return projs * 5 // 8 + self.head.u.numel() * 17 // 16 <= PREPACK_MAX_BYTES
 
     def _weight(self, layer: int, key: str) -> nn.Module:
         sub, names = FUSED[key]
@@ -109,13 +133,17 @@ class QuantizedPair:
                 self._shared[(layer, key)] = DenseBF16Linear(blocks.dequantize(), [])
             else:
                 self._shared[(layer, key)] = Int4Weight(blocks, self.policy.mode == "int4+bf16", self.policy.kernels,
-                                                       self.policy.wide_act)
+                                                       self.policy.wide_act, bool(self.prepack))
         return self._shared[(layer, key)]
 
     def apply(self, model: CausalLM, lora: dict[str, tuple[Tensor, Tensor]] | None = None, lora_scale: float = 1.0,
               extra_rows: Tensor | None = None) -> CausalLM:
         """Replace `model`'s projections, LM head and embedding in place (its dense weights are dropped)."""
         wide = self.policy.switch(self.head.kernels is not None) if self.policy.mode == "int4+bf16" else None
+        if self.prepack is None:
+            self.prepack = self._decide_prepack(model)
+            if self.prepack:
+                self.head.prepack()
         for i, layer in enumerate(model.model.layers):
             for key, (sub, names) in FUSED.items():
                 owner = getattr(layer, sub)

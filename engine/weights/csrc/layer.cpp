@@ -53,7 +53,12 @@ torch::Tensor project(const torch::Tensor& x, const std::vector<torch::Tensor>& 
                       const std::vector<int64_t>& slices, const c10::optional<torch::Tensor>& bias = c10::nullopt) {
   const torch::Tensor& w = wt[2 * p];
   const torch::Tensor& sc = wt[2 * p + 1];
-  torch::Tensor y = wide == 1 ? q4_bf16(x, w, sc) : wide == 2 || int8 ? mm_i8_wide(x, w, sc, false) : mm_f32(x, w, sc, false);
+  // int8 activations: on the prepacked copy when the layer has one (weights 8..15: pk, ps per projection)
+  const bool pre = wt.size() == 16;
+  torch::Tensor y = wide == 1 ? q4_bf16(x, w, sc)
+                    : wide == 2 || int8 ? (pre ? mm_i8_pre(x, wt[8 + 2 * p], wt[9 + 2 * p], w.size(0), false)
+                                               : mm_i8_wide(x, w, sc, false))
+                                        : mm_f32(x, w, sc, false);
   if (bias.has_value()) y = y + *bias;
   if (a.has_value()) lora_add(y, x.contiguous(), *a, b, slices);
   return y;
@@ -196,8 +201,9 @@ torch::Tensor layer_step(torch::Tensor x, torch::Tensor norm1, torch::Tensor nor
                          torch::Tensor cache_k, torch::Tensor cache_v, torch::Tensor pos, torch::Tensor mask,
                          c10::optional<torch::Tensor> qkv_bias, c10::optional<torch::Tensor> cache_rows) {
   TORCH_CHECK(x.dim() == 3 && x.scalar_type() == torch::kFloat && x.is_contiguous(), "layer_step: x must be fp32 [B, T, H]");
-  TORCH_CHECK(weights.size() == 8 && lora_a.size() == 4 && lora_b.size() == 4 && lora_slices.size() == 4,
-              "layer_step: 4 projections (q|k|v, o, gate|up, down)");
+  TORCH_CHECK((weights.size() == 8 || weights.size() == 16) && lora_a.size() == 4 && lora_b.size() == 4 &&
+                  lora_slices.size() == 4,
+              "layer_step: 4 projections (q|k|v, o, gate|up, down): (w, dm) each, then (pk, ps) each if prepacked");
   const int64_t B = x.size(0), T = x.size(1), H = x.size(2), M = B * T, D = cos.size(1);
   const int64_t n = mask.size(2), group = heads / kv_heads;
   TORCH_CHECK(D % 16 == 0 && D >= 16 && D <= 128 && heads % kv_heads == 0 && cos.size(0) == M && sin.size(0) == M,

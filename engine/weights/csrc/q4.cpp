@@ -332,6 +332,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "x [M,K] fp32 @ Q4 [N,K]^T -> [M,N] fp32, int8 activations per 32-group, 16 outputs per vector (wide_i8.cpp)");
   m.def("q8_i8w", [](torch::Tensor x, torch::Tensor w, torch::Tensor d) { return mm_i8_wide(x, w, d, true); },
         "x [M,K] fp32 @ Q8 [N,K]^T -> [M,N] fp32, int8 activations per 32-group, 16 outputs per vector (wide_i8.cpp)");
+  m.def("i8w_prepack", &i8w_prepack, "tiled Q4 (q8=False) or Q8 weights -> [pk, ps], mm_i8_pre's prepacked copy");
+  m.def("q4_i8p", [](torch::Tensor x, torch::Tensor pk, torch::Tensor ps, int64_t n) { return mm_i8_pre(x, pk, ps, n, false); },
+        "q4_i8w's numbers on i8w_prepack's copy (no per-call interleave)");
+  m.def("q8_i8p", [](torch::Tensor x, torch::Tensor pk, torch::Tensor ps, int64_t n) { return mm_i8_pre(x, pk, ps, n, true); },
+        "q8_i8w's numbers on i8w_prepack's copy (no per-call interleave)");
   m.def("lora_add", &lora_add, "y += (x A^T) B^T per fused part, rows on their own (lora.cpp)");
   m.def("layer_step", &layer_step, "one decoder layer's narrow forward over a KV cache (engine/csrc/layer.cpp)");
   m.def("q4_f32", [](torch::Tensor x, torch::Tensor w, torch::Tensor dm) { return mm_f32(x, w, dm, false); },

@@ -9,6 +9,9 @@ torch::Tensor mm_f32(torch::Tensor x, torch::Tensor w, torch::Tensor sc, bool q8
 torch::Tensor q4_bf16(torch::Tensor x, torch::Tensor w, torch::Tensor dm);  // needs AVX-512 BF16
 // int8 activations per row and 32-group on an interleave built per call (wide_i8.cpp)
 torch::Tensor mm_i8_wide(torch::Tensor x, torch::Tensor w, torch::Tensor sc, bool q8);
+// the same products on a copy prepacked once into that interleave (i8w_prepack -> pk, ps)
+std::vector<torch::Tensor> i8w_prepack(torch::Tensor w, torch::Tensor sc, bool q8);
+torch::Tensor mm_i8_pre(torch::Tensor x, torch::Tensor pk, torch::Tensor ps, int64_t N, bool q8);
 // y += (x A^T) B^T per fused part (lora.cpp); a_t [K, R], b[s] [r1 - r0, o1 - o0] fp32 or bf16; slices (r0, r1, o0, o1)
 torch::Tensor lora_add(torch::Tensor y, torch::Tensor x, torch::Tensor a_t, std::vector<torch::Tensor> b,
                        std::vector<int64_t> slices);

@@ -21,6 +21,8 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstdlib>
+#include <cstring>
+#include <vector>
 #include <memory>
 
 namespace {
@@ -86,7 +88,9 @@ inline void transpose_chunks(const __m512i* z, __m512i* t) {
 
 // Outputs [n0, n0 + 16) (only `valid` of them real) into buf [G][8 chunks][16 outputs][4 bytes] as unsigned bytes
 // (Q4: q in 0..15; Q8: u = q + 128), and their scales into dw [G][16] and mw [G][16] (Q4: d, m; Q8: d, -128 d).
-template <bool Q8>
+// Packed (the prepacked copy, Q4 only): the nibble pairs as they are, [G / 2][8 chunks][16][4 bytes], low nibble =
+// group 2p, high = 2p + 1 (split in rows_i8's loop); scales are then skipped (i8w_prepack copies them as fp16).
+template <bool Q8, bool Packed = false>
 void interleave_block(const uint8_t* w, const at::Half* sc, int64_t G, int64_t n0, int valid, uint8_t* buf, float* dw,
                       float* mw) {
   constexpr int S = Q8 ? 1 : 2;
@@ -116,6 +120,8 @@ void interleave_block(const uint8_t* w, const at::Half* sc, int64_t G, int64_t n
       for (int c = 0; c < 8; ++c) {
         if constexpr (Q8) {
           _mm512_store_si512(buf + ((2 * p + h) * 8 + c) * 64, t[c]);
+        } else if constexpr (Packed) {
+          _mm512_storeu_si512(buf + (p * 8 + c) * 64, t[c]);
         } else {
           _mm512_store_si512(buf + ((2 * p) * 8 + c) * 64, _mm512_and_si512(t[c], low));
           _mm512_store_si512(buf + ((2 * p + 1) * 8 + c) * 64, _mm512_and_si512(_mm512_srli_epi16(t[c], 4), low));
@@ -123,6 +129,7 @@ void interleave_block(const uint8_t* w, const at::Half* sc, int64_t G, int64_t n
       }
     }
   }
+  if constexpr (Packed) return;
   // scales: per group, each tile's 4 outputs x S halves side by side ([N/4, G, 4, S]); missing tiles read as zero
   const uint16_t* st = reinterpret_cast<const uint16_t*>(sc) + (n0 / kTile) * G * kTile * S;
   const __mmask8 tiles_in = static_cast<__mmask8>((1u << tiles) - 1);
@@ -174,6 +181,49 @@ void rows_i8(const uint8_t* buf, const float* dw, const float* mw, const int8_t*
       }
     }
     const __m512 d = _mm512_load_ps(dw + g * kBlock), m = _mm512_load_ps(mw + g * kBlock);
+    #pragma GCC unroll 16
+    for (int r = 0; r < RB; ++r) {
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r]), _mm512_mul_ps(d, _mm512_set1_ps(dx[r * G + g])), acc[r]);
+      acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(sx[r * G + g]), acc[r]);
+    }
+  }
+  #pragma GCC unroll 16
+  for (int r = 0; r < RB; ++r) _mm512_mask_storeu_ps(y + r * ldy, keep, acc[r]);
+}
+
+// rows_i8 on the prepacked copy (i8w_prepack): the weights read where they lie (no per-call interleave), Q4 nibbles
+// split per chunk (one shift and one and, shared by the rows), scales converted from fp16 per group. The same
+// products in the same order as rows_i8 on the per-call interleave: bit-identical.
+template <int RB, bool Q8>
+void rows_pre(const uint8_t* pk, const uint16_t* ps, const int8_t* xq, const float* dx, const float* sx, int64_t K,
+              int64_t G, float* y, int64_t ldy, __mmask16 keep, const char* pf, int64_t pf_bytes) {
+  const int64_t pf_step = pf ? ((pf_bytes / G + 63) / 64) * 64 : 0;
+  const __m512i low = _mm512_set1_epi8(15);
+  __m512 acc[RB];
+  #pragma GCC unroll 16
+  for (int r = 0; r < RB; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < G; ++g) {
+    for (int64_t b = g * pf_step; b < std::min((g + 1) * pf_step, pf_bytes); b += 64) _mm_prefetch(pf + b, _MM_HINT_T1);
+    const uint8_t* wg = Q8 ? pk + g * 8 * 64 : pk + (g / 2) * 8 * 64;
+    const __m128i shift = _mm_cvtsi32_si128(Q8 ? 0 : 4 * static_cast<int>(g & 1));
+    __m512i dot[RB];
+    #pragma GCC unroll 16
+    for (int r = 0; r < RB; ++r) dot[r] = _mm512_setzero_si512();
+    #pragma GCC unroll 16
+    for (int c = 0; c < 8; ++c) {
+      __m512i wv = _mm512_loadu_si512(wg + c * 64);
+      if constexpr (!Q8) wv = _mm512_and_si512(_mm512_srl_epi16(wv, shift), low);
+      #pragma GCC unroll 16
+      for (int r = 0; r < RB; ++r) {
+        int32_t xw;
+        __builtin_memcpy(&xw, xq + r * K + g * kGroup + 4 * c, 4);
+        dot[r] = _mm512_dpbusd_epi32(dot[r], wv, _mm512_set1_epi32(xw));
+      }
+    }
+    const uint16_t* sg = ps + g * (Q8 ? 1 : 2) * kBlock;
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sg)));
+    const __m512 m = Q8 ? _mm512_mul_ps(d, _mm512_set1_ps(-128.0f))
+                        : _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sg + kBlock)));
     #pragma GCC unroll 16
     for (int r = 0; r < RB; ++r) {
       acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r]), _mm512_mul_ps(d, _mm512_set1_ps(dx[r * G + g])), acc[r]);
@@ -243,6 +293,91 @@ torch::Tensor mm_i8_wide(torch::Tensor x, torch::Tensor w, torch::Tensor sc, boo
         with_rows(rb = (M - m0 + passes - i - 1) / (passes - i), [&](auto RB) {
           rows_i8<RB.value>(buf, dw, mw, xq + m0 * K, dx + m0 * G, sx + m0 * G, K, G, yp + m0 * N + n0, N, keep,
                             m0 == 0 ? pf : nullptr, pf_bytes);
+        });
+    }
+  });
+  return y;
+}
+
+// The prepacked copy of a tiled Q4 / Q8 weight for mm_i8_pre: pk [blocks of 16 outputs][G / 2 (Q4) or G (Q8)][8][64]
+// bytes (the same bytes as the file's), ps [blocks][G][2 (Q4: d, m) or 1 (Q8: d)][16] fp16 (the file's scales).
+std::vector<torch::Tensor> i8w_prepack(torch::Tensor w, torch::Tensor sc, bool q8) {
+  const int64_t K = q8 ? w.size(1) : w.size(1) * 2, N = w.size(0), G = K / kGroup, S = q8 ? 1 : 2;
+  TORCH_CHECK(K % (2 * kGroup) == 0 && N % kTile == 0, "i8w_prepack: K must be a multiple of 64, N of 4");
+  TORCH_CHECK(w.scalar_type() == torch::kByte && w.is_contiguous() && sc.scalar_type() == torch::kHalf &&
+                  sc.is_contiguous() && sc.numel() == N * G * S,
+              "i8w_prepack: weights must be contiguous uint8 with fp16 scales");
+  const int64_t blocks = (N + kBlock - 1) / kBlock, wbytes = G * 8 * 64 / (q8 ? 1 : 2);
+  auto pk = torch::empty({blocks, wbytes}, w.options());
+  auto ps = torch::empty({blocks, G * S * kBlock}, sc.options());
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  const at::Half* sp = sc.data_ptr<at::Half>();
+  at::parallel_for(0, blocks, 4, [&](int64_t b0, int64_t b1) {
+    const size_t bytes = static_cast<size_t>(G) * (8 * 64 + 2 * kBlock * sizeof(float));
+    std::unique_ptr<uint8_t, decltype(&std::free)> held(static_cast<uint8_t*>(std::aligned_alloc(64, bytes)), &std::free);
+    uint8_t* buf = held.get();
+    float* dw = reinterpret_cast<float*>(buf + G * 8 * 64);
+    float* mw = dw + G * kBlock;
+    for (int64_t blk = b0; blk < b1; ++blk) {
+      const int64_t n0 = blk * kBlock;
+      const int valid = static_cast<int>(std::min<int64_t>(kBlock, N - n0));
+      uint8_t* out = pk.data_ptr<uint8_t>() + blk * wbytes;
+      if (q8) {
+        interleave_block<true>(wp, sp, G, n0, valid, buf, dw, mw);
+        std::memcpy(out, buf, wbytes);
+      } else {
+        interleave_block<false>(wp, sp, G, n0, valid, buf, dw, mw);  // scales (weights overwritten below)
+        interleave_block<false, true>(wp, sp, G, n0, valid, out, dw, mw);
+      }
+      uint16_t* so = reinterpret_cast<uint16_t*>(ps.data_ptr<at::Half>()) + blk * G * S * kBlock;
+      for (int64_t g = 0; g < G; ++g) {  // fp32 copies of fp16 values: back to fp16 exactly
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(so + g * S * kBlock),
+                            _mm512_cvtps_ph(_mm512_load_ps(dw + g * kBlock), _MM_FROUND_TO_NEAREST_INT));
+        if (!q8)
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(so + g * S * kBlock + kBlock),
+                              _mm512_cvtps_ph(_mm512_load_ps(mw + g * kBlock), _MM_FROUND_TO_NEAREST_INT));
+      }
+    }
+  });
+  return {pk, ps};
+}
+
+// x [M, K] fp32 @ W^T -> [M, N] fp32 on i8w_prepack's copy: mm_i8_wide's numbers without its per-call interleave.
+torch::Tensor mm_i8_pre(torch::Tensor x, torch::Tensor pk, torch::Tensor ps, int64_t N, bool q8) {
+  const char* what = q8 ? "q8_i8p" : "q4_i8p";
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.is_contiguous(), what,
+              ": x must be a contiguous fp32 [M, K]");
+  const int64_t M = x.size(0), K = x.size(1), G = K / kGroup, blocks = (N + kBlock - 1) / kBlock;
+  const int64_t wbytes = G * 8 * 64 / (q8 ? 1 : 2), S = q8 ? 1 : 2;
+  TORCH_CHECK(K % (2 * kGroup) == 0, what, ": K = ", K, " must be a multiple of 64");
+  TORCH_CHECK(pk.scalar_type() == torch::kByte && pk.is_contiguous() && pk.numel() == blocks * wbytes &&
+                  ps.scalar_type() == torch::kHalf && ps.is_contiguous() && ps.numel() == blocks * G * S * kBlock,
+              what, ": the prepacked weights do not match x's ", K, " features and ", N, " outputs");
+  const RowsI8 rx = quantize_rows(x);
+  auto y = torch::empty({M, N}, x.options());
+  const int8_t* xq = rx.q.data_ptr<int8_t>();
+  const float* dx = rx.d.data_ptr<float>();
+  const float* sx = rx.s.data_ptr<float>();
+  const uint8_t* wp = pk.data_ptr<uint8_t>();
+  const uint16_t* sp = reinterpret_cast<const uint16_t*>(ps.data_ptr<at::Half>());
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, blocks, 4, [&](int64_t b0, int64_t b1) {
+    for (int64_t blk = b0; blk < b1; ++blk) {
+      const int64_t n0 = blk * kBlock;
+      const int valid = static_cast<int>(std::min<int64_t>(kBlock, N - n0));
+      const __mmask16 keep = valid == kBlock ? 0xffff : static_cast<__mmask16>((1u << valid) - 1);
+      const uint8_t* w = wp + blk * wbytes;
+      const uint16_t* s = sp + blk * G * S * kBlock;
+      const char* pf = blk + 1 < blocks ? reinterpret_cast<const char*>(w + wbytes) : nullptr;
+      const int64_t passes = (M + kRowsMax - 1) / kRowsMax;
+      for (int64_t i = 0, m0 = 0, rb = 0; i < passes; ++i, m0 += rb)
+        with_rows(rb = (M - m0 + passes - i - 1) / (passes - i), [&](auto RB) {
+          if (q8)
+            rows_pre<RB.value, true>(w, s, xq + m0 * K, dx + m0 * G, sx + m0 * G, K, G, yp + m0 * N + n0, N, keep,
+                                     m0 == 0 ? pf : nullptr, wbytes);
+          else
+            rows_pre<RB.value, false>(w, s, xq + m0 * K, dx + m0 * G, sx + m0 * G, K, G, yp + m0 * N + n0, N, keep,
+                                      m0 == 0 ? pf : nullptr, wbytes);
         });
     }
   });
