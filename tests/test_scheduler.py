@@ -231,3 +231,35 @@ def test_the_cli_decodes_through_the_engines_driver(engine, monkeypatch, capsys)
     direct = engine.generate_ids([chat(engine, "Name three colors.")], cfg, record=False)[0].summary
     assert len(submitted) == 1 and out["token_ids"] == direct.token_ids
     assert e._scheduler is None  # the CLI closed its driver
+
+
+@pytest.mark.parametrize("mode,cache", [("ar", "dual"), ("diffusion", "dual")])
+def test_prompts_admitted_together_are_prefilled_by_length(engine, mode, cache, monkeypatch):
+    """Requests that join in one pass with prompts of unlike lengths get prefill forwards of their own (driver.py
+    PREFILL_BUCKET), shortest first, instead of one forward padded to the longest prompt; every answer is still its
+    single-user one."""
+    from engine.decode import Decoder
+
+    short = [chat(engine, "Name three colors."), chat(engine, "Name two animals.")]
+    long = chat(engine, "Summarise this text. " + "The quick brown fox jumps over the lazy dog. " * 8)
+    assert len(long) // 32 > max(len(s) for s in short) // 32 + 1
+    cfg = engine.decode_config(mode=mode, cache=cache, max_new_tokens=12)
+    alone = [engine.generate_ids([i], cfg, record=False)[0].summary for i in (*short, long)]
+    prefills: list[tuple[int, int]] = []
+    real = Decoder.prefill
+
+    def prefill(self, prompts, rows, batch=None, cached=0):
+        prefills.append((len(prompts), max(len(p) for p in prompts)))
+        return real(self, prompts, rows, batch, cached)
+
+    monkeypatch.setattr(Decoder, "prefill", prefill)
+    sched = Driver(engine)
+    try:
+        with sched._cv:  # admitted in one pass
+            tickets = [sched.submit(i, cfg, record=False) for i in (*short, long)]
+        got = [t.wait(300).summary for t in tickets]
+    finally:
+        sched.close()
+    assert prefills == [(2, max(len(s) for s in short)), (1, len(long))]
+    for g, a in zip(got, alone):
+        assert (g.token_ids, g.nfe) == (a.token_ids, a.nfe)

@@ -263,6 +263,10 @@ class Decoder:
         self._prefill_rows(batch, prompts, cached)
         return self._retire(batch)
 
+    def prefill_width(self, n: int) -> int:
+        """Positions the prefill forward of an n-token prompt covers alone (in a batch: its widest row's)."""
+        return -(-n // self.block) * self.block
+
     def chunk_limit(self, rows: list[Row]) -> int:
         """How far prefill_chunk may fill the cache: the final prefill still covers what it reads logits from
         (the last prompt position; for block diffusion, whole prompt blocks before the prompt's last one)."""
