@@ -55,7 +55,8 @@ class Runtime:
     threads: int | None = None  # FASTDLLM_THREADS: torch threads set at load (None: torch's default)
     weights: str = "int4+bf16"  # FASTDLLM_WEIGHTS: CPU weights (engine.weights.quant.MODES)
     int4_wide_rows: int | None = None  # FASTDLLM_INT4_WIDE_ROWS: where int4+bf16 switches to bf16 activations
-    activations: str = "fp32"  # FASTDLLM_ACTIVATIONS: our 4-bit kernels' narrow activations (fp32 | int8)
+    # FASTDLLM_ACTIVATIONS: our 4-bit kernels' narrow activations, fp32 | int8 (None: fp32; the studio picks int8)
+    activations: str | None = None
     # FASTDLLM_WIDE_ACTIVATIONS: our 4-bit kernels' wide activations, bf16 | int8 (None: bf16; the studio picks int8)
     wide_activations: str | None = None
     # FASTDLLM_INT8_PREPACK: int8-activation products on a copy of the 4-bit weights prepacked at load (None: when
@@ -89,7 +90,7 @@ class Runtime:
             threads=_int("FASTDLLM_THREADS", 1),
             weights=env.get("FASTDLLM_WEIGHTS", "int4+bf16"),
             int4_wide_rows=_int("FASTDLLM_INT4_WIDE_ROWS", 2),
-            activations=env.get("FASTDLLM_ACTIVATIONS", "fp32"),
+            activations=env.get("FASTDLLM_ACTIVATIONS") or None,
             wide_activations=env.get("FASTDLLM_WIDE_ACTIVATIONS") or None,
             int8_prepack=_flag("FASTDLLM_INT8_PREPACK", None),
             kernels=env.get("FASTDLLM_KERNELS", "auto"),

@@ -893,6 +893,24 @@ def test_prepacked_int8_copy_gives_the_interleaves_numbers(gguf, monkeypatch):
     monkeypatch.setenv("FASTDLLM_INT8_PREPACK", "")
     monkeypatch.setattr(quant, "PREPACK_MAX_BYTES", 1 << 20)
     assert Engine.load().lm.dllm.lm_head.core.pk is None  # over the budget: the per-call interleave
+    # every product int8 (the studio's): the prepacked copy replaces the tiled one, whatever the size; the same
+    # forwards, one-token ones included, as the per-call interleave on the tiled copy
+    monkeypatch.setenv("FASTDLLM_ACTIVATIONS", "int8")
+    for switch in ("", "0"):
+        monkeypatch.setenv("FASTDLLM_INT8_PREPACK", switch)
+        m = Engine.load().lm.dllm
+        w = m.model.layers[0].mlp.gate_up.weight
+        assert (w.pk is not None, w.qs.numel() == 0, m.lm_head.core.u.numel() == 0) == (switch == "",) * 3
+        dropped = w if switch == "" else dropped
+        with torch.inference_mode():
+            cache = KVCache(m.cfg, 1, 64, torch.device("cpu"), torch.float32)
+            m(ids[:, :32], pos[:, :32], cache=cache, start=0, causal=True)
+            outs[switch] = (m(ids[:, 32:33], pos[:, 32:33], cache=cache, start=32, causal=True),
+                            m(ids[:, 32:41], pos[:, 32:41], cache=cache, start=32, causal=False))
+    assert all(torch.equal(a, b) for a, b in zip(outs[""], outs["0"]))
+    with pytest.raises(RuntimeError, match="features"):  # the dropped tiled copy is refused, not misread
+        k.q4_f32(torch.randn(1, dropped.in_features), dropped.qs, dropped.dm)
+    monkeypatch.setenv("FASTDLLM_ACTIVATIONS", "fp32")
     monkeypatch.setenv("FASTDLLM_WIDE_ACTIVATIONS", "bf16")
     monkeypatch.setattr(quant, "PREPACK_MAX_BYTES", 1 << 40)
     assert Engine.load().lm.dllm.lm_head.core.pk is None  # no int8 products: no copy

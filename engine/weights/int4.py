@@ -71,6 +71,12 @@ def pack_pairs(q: Tensor) -> Tensor:
     return tiled((g[:, :, 0] | (g[:, :, 1] << 4)).reshape(n, k // 2), k // (2 * GROUP))
 
 
+def _dropped(w: Tensor, sc: Tensor) -> tuple[Tensor, Tensor]:
+    """Stand-ins for a tiled weight and its scales once the prepacked copy replaces them: [N, 0] and [0] (the
+    output count stays readable; a kernel handed them refuses: 0 features)."""
+    return w.new_empty(w.shape[0], 0), sc.new_empty(0)
+
+
 def _ours(n: int, k: int, choice: str) -> ModuleType | None:
     """Our kernels (FASTDLLM_KERNELS `choice` allowing) when they are built and fit the shape (K a multiple of 64 up
     to MAX_K, N of 4), else None."""
@@ -87,7 +93,7 @@ class Int4Weight(nn.Module):
     and zeros (d and m + 8d rounded to bf16), and a dense bf16 copy."""
 
     def __init__(self, blocks: Q4Blocks, dense_bf16: bool, kernels: str = "auto", wide_act: str = DEFAULT_WIDE_ACT,
-                 prepack: bool = False):
+                 prepack: bool = False, keep_tiled: bool = True):
         super().__init__()
         self.out_features, self.in_features = blocks.q.shape
         self.kernels = _ours(self.out_features, self.in_features, kernels)
@@ -101,6 +107,8 @@ class Int4Weight(nn.Module):
             self.register_buffer("dm", tiled(torch.stack([blocks.d, blocks.m], -1).half(), self.in_features // GROUP))
             if prepack:
                 self.pk, self.ps = self.kernels.i8w_prepack(self.qs, self.dm, False)
+                if not keep_tiled:  # every call takes int8 activations: only the prepacked copy is read
+                    self.qs, self.dm = _dropped(self.qs, self.dm)
             self.wide_int8 = dense_bf16 and wide_act == "int8"
             self.wide_bf16 = dense_bf16 and not self.wide_int8 and cpu_kernels.bf16_ok()
             if dense_bf16 and not self.wide_bf16 and not self.wide_int8:
@@ -246,10 +254,13 @@ class Q8Head(nn.Module):
         return F.linear(x2.to(torch.bfloat16), self.weight).float()
 
 
-    def prepack(self) -> None:
-        """Make the int8 calls' prepacked copy (once; a model decides for its whole set of weights)."""
+    def prepack(self, keep_tiled: bool = True) -> None:
+        """Make the int8 calls' prepacked copy (once; a model decides for its whole set of weights); without
+        `keep_tiled` it replaces the stored rows (every call then takes int8 activations)."""
         if self.kernels is not None and self.pk is None:
             self.pk, self.ps = self.kernels.i8w_prepack(self.u, self.d, True)
+            if not keep_tiled:
+                self.u, self.d = _dropped(self.u, self.d)
 
     def int8(self, x: Tensor) -> Tensor:
         """x fp32 [rows, hidden] -> logits, int8 activations: on the prepacked copy if there is one (same numbers)."""

@@ -22,11 +22,14 @@ from .lora import LoRA, exact_weights  # noqa: F401 (engine.weights.quant.LoRA)
 
 MODES = ("int4+bf16", "int4", "bf16", "fp32")
 DEFAULT_MODE = "int4+bf16"
-# Int8-activation products (FASTDLLM_WIDE_ACTIVATIONS=int8, FASTDLLM_ACTIVATIONS=int8) run on a second copy of the
-# 4-bit weights, prepacked at load into the kernel's 16-output interleave, when that copy (about the 4-bit model's
-# size) is at most this many bytes, unless FASTDLLM_INT8_PREPACK says: the bundled model's ~96 MB, yes (a 9-wide
-# step 1.13-1.18x cheaper per projection, 1.45x in the head); Qwen2.5-1.5B's ~1.1 GB, no (issue 23's 2.5 GB peak
-# RSS), so its wide calls build the interleave per call. bench/results/prepack/.
+# Int8-activation products (FASTDLLM_WIDE_ACTIVATIONS=int8, FASTDLLM_ACTIVATIONS=int8) run on a copy of the 4-bit
+# weights prepacked at load into the kernel's 16-output interleave (unless FASTDLLM_INT8_PREPACK says otherwise):
+# - when every product takes int8 activations (both switches int8, the studio's), that copy replaces the stored
+#   tiled one, which nothing reads then: no memory cost, whatever the model's size;
+# - otherwise (fp32 one-token steps beside int8 wide calls) it is a second copy, made when it is at most this many
+#   bytes: the bundled model's ~96 MB, yes (a 9-wide step 1.13-1.18x cheaper per projection, 1.45x in the head);
+#   Qwen2.5-1.5B's ~1 GB, no (issue 23's 2.5 GB peak RSS): its wide calls build the interleave per call.
+# bench/results/prepack/.
 PREPACK_MAX_BYTES = 512 << 20
 
 
@@ -59,8 +62,8 @@ class WeightPolicy:
 
     @classmethod
     def of(cls, runtime: Runtime) -> "WeightPolicy":
-        return cls(runtime.weights, runtime.int4_wide_rows, runtime.activations, runtime.kernels, runtime.fused,
-                   runtime.wide_activations or DEFAULT_WIDE_ACT, runtime.int8_prepack)
+        return cls(runtime.weights, runtime.int4_wide_rows, runtime.activations or DEFAULT_ACT, runtime.kernels,
+                   runtime.fused, runtime.wide_activations or DEFAULT_WIDE_ACT, runtime.int8_prepack)
 
     @classmethod
     def from_env(cls) -> "WeightPolicy":
@@ -70,6 +73,10 @@ class WeightPolicy:
         """Some products take int8 activations: narrow ones, or int4+bf16's wide ones."""
         return self.mode in ("int4", "int4+bf16") and (self.act == "int8" or
                                                        (self.mode == "int4+bf16" and self.wide_act == "int8"))
+
+    def only_int8(self) -> bool:
+        """Every product takes int8 activations: narrow ones, and wide ones where there is a wide switch."""
+        return self.act == "int8" and (self.mode == "int4" or (self.mode == "int4+bf16" and self.wide_act == "int8"))
 
     def switch(self, ours: bool) -> int:
         """Positions per sequence from which int4+bf16 runs bf16 activations, with our kernels or torch's."""
@@ -112,18 +119,23 @@ class QuantizedPair:
         # shared by the base and the dLLM: the embedding's rows when tied (the bundled GGUF), else the head's own
         q, d = (weights.head_q, weights.head_d) if weights.head_q is not None else (weights.embed_q, weights.embed_d)
         self.head = Q8Head(q, d, policy.kernels, policy.wide_act)
-        self.prepack: bool | None = None  # decided on the first apply(), from the model's shape
+        # decided on the first apply(), from the model's shape: prepacked int8 copies, and whether the tiled ones stay
+        self.prepack: bool | None = None
+        self.keep_tiled = True
 
-    def _decide_prepack(self, model: CausalLM) -> bool:
-        """Whether the int8 products get prepacked copies (PREPACK_MAX_BYTES): Q4_1 is 5 bits a weight with its
+    def _decide_prepack(self, model: CausalLM) -> tuple[bool, bool]:
+        """(prepacked copies, keep the tiled ones) by PREPACK_MAX_BYTES' rule: Q4_1 is 5 bits a weight with its
         scales, Q8_0 8.5 (bytes counted from the model's shapes, no block read)."""
         if not self.policy.int8_calls() or self.head.kernels is None:
-            return False
+            return False, True
+        only = self.policy.only_int8()
         if self.policy.prepack is not None:
-            return self.policy.prepack
+            return self.policy.prepack, not (only and self.policy.prepack)
+        if only:
+            return True, False
         projs = sum(m.in_features * m.out_features for layer in model.model.layers
                     for sub in (layer.self_attn, layer.mlp) for m in sub.children() if isinstance(m, nn.Linear))
-        return projs * 5 // 8 + self.head.u.numel() * 17 // 16 <= PREPACK_MAX_BYTES
+        return projs * 5 // 8 + self.head.u.numel() * 17 // 16 <= PREPACK_MAX_BYTES, True
 
     def _weight(self, layer: int, key: str) -> nn.Module:
         sub, names = FUSED[key]
@@ -133,7 +145,7 @@ class QuantizedPair:
                 self._shared[(layer, key)] = DenseBF16Linear(blocks.dequantize(), [])
             else:
                 self._shared[(layer, key)] = Int4Weight(blocks, self.policy.mode == "int4+bf16", self.policy.kernels,
-                                                       self.policy.wide_act, bool(self.prepack))
+                                                       self.policy.wide_act, bool(self.prepack), self.keep_tiled)
         return self._shared[(layer, key)]
 
     def apply(self, model: CausalLM, lora: dict[str, tuple[Tensor, Tensor]] | None = None, lora_scale: float = 1.0,
@@ -141,9 +153,9 @@ class QuantizedPair:
         """Replace `model`'s projections, LM head and embedding in place (its dense weights are dropped)."""
         wide = self.policy.switch(self.head.kernels is not None) if self.policy.mode == "int4+bf16" else None
         if self.prepack is None:
-            self.prepack = self._decide_prepack(model)
+            self.prepack, self.keep_tiled = self._decide_prepack(model)
             if self.prepack:
-                self.head.prepack()
+                self.head.prepack(self.keep_tiled)
         for i, layer in enumerate(model.model.layers):
             for key, (sub, names) in FUSED.items():
                 owner = getattr(layer, sub)
