@@ -91,10 +91,11 @@ def test_every_studio_example_finishes_on_the_studios_own_engine(monkeypatch):
     spec = importlib.util.spec_from_file_location("app_main", ROOT / "app.py")
     main = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(main)
-    for name in ("FASTDLLM_WEIGHTS", "FASTDLLM_WIDE_ACTIVATIONS"):
+    for name in ("FASTDLLM_WEIGHTS", "FASTDLLM_WIDE_ACTIVATIONS", "FASTDLLM_ACTIVATIONS", "FASTDLLM_INT8_PREPACK"):
         monkeypatch.delenv(name, raising=False)
     runtime = main.studio_runtime()
     assert runtime.wide_activations == main.STUDIO_WIDE_ACTIVATIONS == "int8"
+    assert runtime.activations == main.STUDIO_ACTIVATIONS == "int8"
     engine = Engine.load(runtime=runtime)
     assert engine.lm.info["weights"] == "int4+bf16"
     _assert_examples_finish(engine)
