@@ -60,7 +60,7 @@ class Runtime:
     # FASTDLLM_WIDE_ACTIVATIONS: our 4-bit kernels' wide activations, bf16 | int8 (None: bf16; the studio picks int8)
     wide_activations: str | None = None
     # FASTDLLM_INT8_PREPACK: int8-activation products on a copy of the 4-bit weights prepacked at load (None: when
-    # that copy is small, engine.weights.quant.PREPACK_MAX_BYTES)
+    # every product is int8 or the copy is small, engine.weights.quant.PREPACK_MAX_BYTES)
     int8_prepack: bool | None = None
     kernels: str = "auto"  # FASTDLLM_KERNELS: auto | ours | torch
     fused: bool = True  # FASTDLLM_FUSED: one C++ call per decoder layer for narrow 4-bit forwards

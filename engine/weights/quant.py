@@ -47,7 +47,7 @@ class WeightPolicy:
     kernels: str = "auto"
     fused: bool = True
     wide_act: str = DEFAULT_WIDE_ACT
-    prepack: bool | None = None  # FASTDLLM_INT8_PREPACK (None: when the copy is at most PREPACK_MAX_BYTES)
+    prepack: bool | None = None  # FASTDLLM_INT8_PREPACK (None: PREPACK_MAX_BYTES' rule)
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
