@@ -15,8 +15,9 @@ from ..runtime import Runtime
 from . import kernels as cpu_kernels
 from .gguf import GROUP, GGUF_NAMES, GGUFWeights, Q4Blocks, cached_gguf, read_gguf  # noqa: F401 (engine.weights.quant.X)
 from .int4 import (ACTS, DEFAULT_ACT, DEFAULT_WIDE_ACT, FUSED_MAX_WIDTH, WIDE_ACTS, HEAD_WIDE_ROWS, OURS_WIDE_ROWS, TILE,  # noqa: F401
-                   TORCH_WIDE_ROWS, DenseBF16Linear, Int4Linear, Int4Weight, LayerStep, LMHead, Q8Embedding,
+                   TORCH_WIDE_ROWS, DenseBF16Linear, Int4Linear, Int4Weight, LMHead, Q8Embedding,
                    Q8Head, pack_pairs, q8_planes, tiled)
+from .layer_step import LayerStep  # noqa: F401 (engine.weights.quant.LayerStep)
 from .lora import LoRA, exact_weights  # noqa: F401 (engine.weights.quant.LoRA)
 
 
