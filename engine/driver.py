@@ -182,25 +182,26 @@ class Driver:
             return
         self.forwards += 1
 
-    def _join(self, key: tuple, ts: list[Ticket], opened: Running | None = None, cached: int = 0) -> None:
+    def _join(self, key: tuple, ts: list[Ticket], opened: Running | None = None, cached: int = 0,
+              dec: Decoder | None = None) -> None:
         """The (final) prefill forward of these requests' rows, then into their key's batch; requests of unlike
-        prompt lengths in forwards of their own (PREFILL_BUCKET), shortest first."""
-        if opened is None and len(ts) > 1:
+        prompt lengths in forwards of their own (PREFILL_BUCKET), shortest first, by one decoder."""
+        if opened is None and dec is None and len(ts) > 1:
             groups: dict[int, list[Ticket]] = {}
             try:
-                width = self._decoder_of(key, ts[0].cfg).prefill_width
+                dec = self._decoder_of(key, ts[0].cfg)
                 for t in ts:
-                    groups.setdefault(-(-width(len(t.ids)) // PREFILL_BUCKET), []).append(t)
+                    groups.setdefault(-(-dec.prefill_width(len(t.ids)) // PREFILL_BUCKET), []).append(t)
             except Exception:  # noqa: BLE001 - the prefill below meets the same fault and fails these requests
                 groups = {}
             if len(groups) > 1:
                 for _, group in sorted(groups.items()):
-                    self._join(key, group)
+                    self._join(key, group, dec=dec)
                 return
         run = self.batches.get(key)
         try:
             if opened is None:
-                dec = self._decoder_of(key, ts[0].cfg)
+                dec = dec or self._decoder_of(key, ts[0].cfg)
                 new = dec.prefill([t.ids for t in ts], self._rows(dec, ts))
             else:
                 dec = opened.decoder

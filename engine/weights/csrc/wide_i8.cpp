@@ -21,7 +21,6 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstdlib>
-#include <cstring>
 #include <vector>
 #include <memory>
 
@@ -89,7 +88,7 @@ inline void transpose_chunks(const __m512i* z, __m512i* t) {
 // Outputs [n0, n0 + 16) (only `valid` of them real) into buf [G][8 chunks][16 outputs][4 bytes] as unsigned bytes
 // (Q4: q in 0..15; Q8: u = q + 128), and their scales into dw [G][16] and mw [G][16] (Q4: d, m; Q8: d, -128 d).
 // Packed (the prepacked copy, Q4 only): the nibble pairs as they are, [G / 2][8 chunks][16][4 bytes], low nibble =
-// group 2p, high = 2p + 1 (split in rows_i8's loop); scales are then skipped (i8w_prepack copies them as fp16).
+// group 2p, high = 2p + 1 (split in rows_pre's loop).
 template <bool Q8, bool Packed = false>
 void interleave_block(const uint8_t* w, const at::Half* sc, int64_t G, int64_t n0, int valid, uint8_t* buf, float* dw,
                       float* mw) {
@@ -129,7 +128,6 @@ void interleave_block(const uint8_t* w, const at::Half* sc, int64_t G, int64_t n
       }
     }
   }
-  if constexpr (Packed) return;
   // scales: per group, each tile's 4 outputs x S halves side by side ([N/4, G, 4, S]); missing tiles read as zero
   const uint16_t* st = reinterpret_cast<const uint16_t*>(sc) + (n0 / kTile) * G * kTile * S;
   const __mmask8 tiles_in = static_cast<__mmask8>((1u << tiles) - 1);
@@ -249,6 +247,29 @@ void with_rows(int64_t rb, const Fn& fn) {
   }
 }
 
+// One block's interleave scratch: weights [G][8][64] bytes (16 K bytes: 78 KB at K = 4864, L2), then dw and mw
+// [G][16] floats.
+struct Scratch {
+  std::unique_ptr<uint8_t, decltype(&std::free)> held;
+  uint8_t* buf;
+  float *dw, *mw;
+  explicit Scratch(int64_t G)
+      : held(static_cast<uint8_t*>(std::aligned_alloc(64, G * (8 * 64 + 2 * kBlock * sizeof(float)))), &std::free),
+        buf(held.get()), dw(reinterpret_cast<float*>(buf + G * 8 * 64)), mw(dw + G * kBlock) {}
+};
+
+// M rows in ceil(M / kRowsMax) register passes of equal size: fn(first row, rows as a compile-time constant).
+template <typename Fn>
+void for_passes(int64_t M, const Fn& fn) {
+  const int64_t passes = (M + kRowsMax - 1) / kRowsMax;
+  for (int64_t i = 0, m0 = 0, rb = 0; i < passes; ++i, m0 += rb)
+    with_rows(rb = (M - m0 + passes - i - 1) / (passes - i), [&](auto RB) { fn(m0, RB); });
+}
+
+inline __mmask16 keep_mask(int valid) {
+  return valid == kBlock ? 0xffff : static_cast<__mmask16>((1u << valid) - 1);
+}
+
 }  // namespace
 
 torch::Tensor mm_i8_wide(torch::Tensor x, torch::Tensor w, torch::Tensor sc, bool q8) {
@@ -272,28 +293,20 @@ torch::Tensor mm_i8_wide(torch::Tensor x, torch::Tensor w, torch::Tensor sc, boo
   float* yp = y.data_ptr<float>();
   const int64_t blocks = (N + kBlock - 1) / kBlock;
   at::parallel_for(0, blocks, 4, [&](int64_t b0, int64_t b1) {
-    // one block's interleaved weights: 16 K bytes (78 KB at K = 4864: L2) and its scales
-    const size_t bytes = static_cast<size_t>(G) * (8 * 64 + 2 * kBlock * sizeof(float));
-    std::unique_ptr<uint8_t, decltype(&std::free)> held(static_cast<uint8_t*>(std::aligned_alloc(64, bytes)), &std::free);
-    uint8_t* buf = held.get();
-    float* dw = reinterpret_cast<float*>(buf + G * 8 * 64);
-    float* mw = dw + G * kBlock;
+    Scratch s(G);
     for (int64_t blk = b0; blk < b1; ++blk) {
       const int64_t n0 = blk * kBlock;
       const int valid = static_cast<int>(std::min<int64_t>(kBlock, N - n0));
-      if (q8) interleave_block<true>(wp, sp, G, n0, valid, buf, dw, mw);
-      else interleave_block<false>(wp, sp, G, n0, valid, buf, dw, mw);
-      const __mmask16 keep = valid == kBlock ? 0xffff : static_cast<__mmask16>((1u << valid) - 1);
+      if (q8) interleave_block<true>(wp, sp, G, n0, valid, s.buf, s.dw, s.mw);
+      else interleave_block<false>(wp, sp, G, n0, valid, s.buf, s.dw, s.mw);
       // the next block's stored tiles (one contiguous run) are prefetched while this block's first rows run
       const int64_t tile_bytes = (G / 2) * kTile * (q8 ? 64 : 32);
       const char* pf = blk + 1 < blocks ? reinterpret_cast<const char*>(wp + (n0 + kBlock) / kTile * tile_bytes) : nullptr;
       const int64_t pf_bytes = pf ? (std::min<int64_t>(kBlock, N - n0 - kBlock) / kTile) * tile_bytes : 0;
-      const int64_t passes = (M + kRowsMax - 1) / kRowsMax;
-      for (int64_t i = 0, m0 = 0, rb = 0; i < passes; ++i, m0 += rb)
-        with_rows(rb = (M - m0 + passes - i - 1) / (passes - i), [&](auto RB) {
-          rows_i8<RB.value>(buf, dw, mw, xq + m0 * K, dx + m0 * G, sx + m0 * G, K, G, yp + m0 * N + n0, N, keep,
-                            m0 == 0 ? pf : nullptr, pf_bytes);
-        });
+      for_passes(M, [&](int64_t m0, auto RB) {
+        rows_i8<RB.value>(s.buf, s.dw, s.mw, xq + m0 * K, dx + m0 * G, sx + m0 * G, K, G, yp + m0 * N + n0, N,
+                          keep_mask(valid), m0 == 0 ? pf : nullptr, pf_bytes);
+      });
     }
   });
   return y;
@@ -313,29 +326,23 @@ std::vector<torch::Tensor> i8w_prepack(torch::Tensor w, torch::Tensor sc, bool q
   const uint8_t* wp = w.data_ptr<uint8_t>();
   const at::Half* sp = sc.data_ptr<at::Half>();
   at::parallel_for(0, blocks, 4, [&](int64_t b0, int64_t b1) {
-    const size_t bytes = static_cast<size_t>(G) * (8 * 64 + 2 * kBlock * sizeof(float));
-    std::unique_ptr<uint8_t, decltype(&std::free)> held(static_cast<uint8_t*>(std::aligned_alloc(64, bytes)), &std::free);
-    uint8_t* buf = held.get();
-    float* dw = reinterpret_cast<float*>(buf + G * 8 * 64);
-    float* mw = dw + G * kBlock;
+    Scratch s(G);
     for (int64_t blk = b0; blk < b1; ++blk) {
       const int64_t n0 = blk * kBlock;
       const int valid = static_cast<int>(std::min<int64_t>(kBlock, N - n0));
       uint8_t* out = pk.data_ptr<uint8_t>() + blk * wbytes;
       if (q8) {
-        interleave_block<true>(wp, sp, G, n0, valid, buf, dw, mw);
-        std::memcpy(out, buf, wbytes);
+        interleave_block<true>(wp, sp, G, n0, valid, out, s.dw, s.mw);
       } else {
-        interleave_block<false>(wp, sp, G, n0, valid, buf, dw, mw);  // scales (weights overwritten below)
-        interleave_block<false, true>(wp, sp, G, n0, valid, out, dw, mw);
+        interleave_block<false, true>(wp, sp, G, n0, valid, out, s.dw, s.mw);
       }
       uint16_t* so = reinterpret_cast<uint16_t*>(ps.data_ptr<at::Half>()) + blk * G * S * kBlock;
       for (int64_t g = 0; g < G; ++g) {  // fp32 copies of fp16 values: back to fp16 exactly
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(so + g * S * kBlock),
-                            _mm512_cvtps_ph(_mm512_load_ps(dw + g * kBlock), _MM_FROUND_TO_NEAREST_INT));
+                            _mm512_cvtps_ph(_mm512_load_ps(s.dw + g * kBlock), _MM_FROUND_TO_NEAREST_INT));
         if (!q8)
           _mm256_storeu_si256(reinterpret_cast<__m256i*>(so + g * S * kBlock + kBlock),
-                              _mm512_cvtps_ph(_mm512_load_ps(mw + g * kBlock), _MM_FROUND_TO_NEAREST_INT));
+                              _mm512_cvtps_ph(_mm512_load_ps(s.mw + g * kBlock), _MM_FROUND_TO_NEAREST_INT));
       }
     }
   });
@@ -364,21 +371,18 @@ torch::Tensor mm_i8_pre(torch::Tensor x, torch::Tensor pk, torch::Tensor ps, int
   at::parallel_for(0, blocks, 4, [&](int64_t b0, int64_t b1) {
     for (int64_t blk = b0; blk < b1; ++blk) {
       const int64_t n0 = blk * kBlock;
-      const int valid = static_cast<int>(std::min<int64_t>(kBlock, N - n0));
-      const __mmask16 keep = valid == kBlock ? 0xffff : static_cast<__mmask16>((1u << valid) - 1);
+      const __mmask16 keep = keep_mask(static_cast<int>(std::min<int64_t>(kBlock, N - n0)));
       const uint8_t* w = wp + blk * wbytes;
       const uint16_t* s = sp + blk * G * S * kBlock;
       const char* pf = blk + 1 < blocks ? reinterpret_cast<const char*>(w + wbytes) : nullptr;
-      const int64_t passes = (M + kRowsMax - 1) / kRowsMax;
-      for (int64_t i = 0, m0 = 0, rb = 0; i < passes; ++i, m0 += rb)
-        with_rows(rb = (M - m0 + passes - i - 1) / (passes - i), [&](auto RB) {
-          if (q8)
-            rows_pre<RB.value, true>(w, s, xq + m0 * K, dx + m0 * G, sx + m0 * G, K, G, yp + m0 * N + n0, N, keep,
-                                     m0 == 0 ? pf : nullptr, wbytes);
-          else
-            rows_pre<RB.value, false>(w, s, xq + m0 * K, dx + m0 * G, sx + m0 * G, K, G, yp + m0 * N + n0, N, keep,
-                                      m0 == 0 ? pf : nullptr, wbytes);
-        });
+      for_passes(M, [&](int64_t m0, auto RB) {
+        const int8_t* q = xq + m0 * K;
+        const float *d = dx + m0 * G, *e = sx + m0 * G;
+        float* out = yp + m0 * N + n0;
+        const char* p = m0 == 0 ? pf : nullptr;
+        if (q8) rows_pre<RB.value, true>(w, s, q, d, e, K, G, out, N, keep, p, wbytes);
+        else rows_pre<RB.value, false>(w, s, q, d, e, K, G, out, N, keep, p, wbytes);
+      });
     }
   });
   return y;
