@@ -7,6 +7,7 @@ import torch.nn.functional as F
 
 from engine.weights import kernels as cpu_kernels, quant
 from engine.weights import BUNDLED_ADAPTER, bundled_base_dir, bundled_gguf_path, read_adapter_tensors, read_state_dict
+from engine.weights.lora import panels as lora_panels, unpanel as lora_unpanel
 
 PROMPTS = ["What is the capital of France?", "Give me three tips for staying healthy."]
 HAS_OURS = all(f in cpu_kernels.cpu_flags() for f in cpu_kernels.NEEDS)
@@ -234,12 +235,18 @@ def test_lora_kernel_keeps_the_files_weights_and_sums_each_row_alone():
             got = ours.add_to(y0.clone(), x)
             assert float((got - want).abs().max()) < 1e-5 * float(want.abs().max())
             assert torch.equal(got[:, 576:768], y0[:, 576:768])  # the part without an adapter is untouched
+            strided = ours.add_to(y0.clone().t().contiguous().t(), x)  # not contiguous: ATen's products on the panels
+            assert float((strided - want).abs().max()) < 1e-5 * float(want.abs().max())
             for t in (1, 2):
                 torch.set_num_threads(t)
-                for rows in (1, 3, 8, 9, 17):
+                for rows in (1, 3, 8, 9, 12, 13, 17):  # lora.cpp's passes: up to 12 rows, then equal halves
                     assert torch.equal(ours.add_to(y0[:rows].clone(), x[:rows].contiguous()), got[:rows])
     finally:
         torch.set_num_threads(threads)
+    # the kernel's weights lie in 32-output panels, zero past the outputs; the ATen path reads them back
+    t = torch.randn(70, 40, generator=g)
+    assert lora_panels(t).shape == (2, 70, 32) and torch.equal(lora_unpanel(lora_panels(t), 40), t)
+    assert not lora_panels(t)[1, :, 8:].any()
     fp32_a = quant.LoRA([(torch.randn(4, 64, generator=g), torch.randn(8, 4, generator=g))], [8], 1.0, k)
     assert fp32_a.a_t.dtype == torch.float32  # an fp32 adapter's values that bf16 cannot hold stay fp32
     with pytest.raises(RuntimeError, match="slice 0 does not fit"):

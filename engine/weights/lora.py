@@ -17,11 +17,28 @@ def exact_weights(t: Tensor, kernels: ModuleType | None) -> Tensor:
     return t
 
 
+PANEL = 32  # outputs per panel of lora.cpp's layout
+
+
+def panels(t: Tensor) -> Tensor:
+    """t [K, N] -> [ceil(N / 32), K, 32], zero past N: each 32-output panel contiguous, read by lora.cpp as one
+    sequential stream."""
+    k, n = t.shape
+    c = -(-n // PANEL)
+    return torch.nn.functional.pad(t, (0, c * PANEL - n)).reshape(k, c, PANEL).permute(1, 0, 2).contiguous()
+
+
+def unpanel(p: Tensor, n: int) -> Tensor:
+    """panels' inverse: [C, K, 32] -> [K, n]."""
+    return p.permute(1, 0, 2).reshape(p.shape[1], -1)[:, :n]
+
+
 class LoRA(nn.Module):
     """A fused low-rank delta: h = x A^T for every fused part in one product, then each part's B adds into its own
     slice of the output (no block-diagonal zeros: q|k|v's were 2/3 zeros); the scale is folded into B; parts
     without an adapter are skipped. With our kernels (`kernels`): one call, `lora_add` (engine/weights/csrc/lora.cpp),
-    the weights as exact as the file (bf16 when it holds them), each row summed on its own; otherwise ATen's fp32
+    the weights as exact as the file (bf16 when it holds them) in its panel layout (`panels`: a_t and each b_t as
+    [outputs / 32, inputs, 32]), each row summed on its own; otherwise ATen's fp32
     products (on this CPU a small bf16 GEMM costs a ~25 us floor in oneDNN, fp32 ones 3-25 us)."""
 
     def __init__(self, parts: list[tuple[Tensor, Tensor] | None], outs: list[int], scale: float,
@@ -29,12 +46,14 @@ class LoRA(nn.Module):
         super().__init__()
         self.kernels = kernels
         kept = [(i, p) for i, p in enumerate(parts) if p is not None]
-        self.register_buffer("a_t", exact_weights(torch.cat([p[0].float() for _, p in kept], 0).t(), kernels))
+        lay = panels if kernels is not None else (lambda t: t)
+        self.rank = sum(p[0].shape[0] for _, p in kept)
+        self.register_buffer("a_t", lay(exact_weights(torch.cat([p[0].float() for _, p in kept], 0).t(), kernels)))
         starts = [sum(outs[:i]) for i in range(len(outs))]
         self.slices: list[tuple[str, int, int, int, int]] = []  # (B buffer, rank start, rank end, out start, out end)
         r0 = 0
         for j, (i, (a, b)) in enumerate(kept):
-            self.register_buffer(f"b_t{j}", exact_weights((b.float() * scale).t(), kernels))
+            self.register_buffer(f"b_t{j}", lay(exact_weights((b.float() * scale).t(), kernels)))
             self.slices.append((f"b_t{j}", r0, r0 + a.shape[0], starts[i], starts[i] + outs[i]))
             r0 += a.shape[0]
         self.whole = len(kept) == 1 and len(outs) == 1
@@ -45,9 +64,14 @@ class LoRA(nn.Module):
         if self.kernels is not None and y.dtype == torch.float32 and y.is_contiguous():
             return self.kernels.lora_add(y, x.float().contiguous(), self.a_t, [self._buffers[b] for b, *_ in self.slices],
                                          self.bounds)
-        h = x.to(torch.float32) @ self.a_t.float()
+        h = x.to(torch.float32) @ self._plain("a_t", self.rank)
         if self.whole:
-            return y.addmm_(h, self.b_t0.float())
+            return y.addmm_(h, self._plain("b_t0", self.slices[0][4] - self.slices[0][3]))
         for b, r0, r1, o0, o1 in self.slices:
-            y[:, o0:o1].addmm_(h[:, r0:r1], self._buffers[b].float())
+            y[:, o0:o1].addmm_(h[:, r0:r1], self._plain(b, o1 - o0))
         return y
+
+    def _plain(self, name: str, n: int) -> Tensor:
+        """A buffer as [inputs, n] fp32 (the ATen path; with our kernels it is stored in panels)."""
+        t = self._buffers[name]
+        return (unpanel(t, n) if self.kernels is not None else t).float()

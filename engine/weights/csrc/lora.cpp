@@ -5,6 +5,9 @@
 // widened to fp32, doubling what a 1-token forward streams. Here the weights stay as exact as the file (bf16 when
 // bf16 holds them exactly, else fp32), are widened in registers, and every row is summed over k in order on its
 // own: a row's delta does not depend on the rows beside it (exact batching, which ATen's GEMMs did not give).
+// The weights lie in panels of 32 outputs ([N / 32, K, 32], engine/weights/lora.py `panels`), so each panel is one
+// sequential stream: in the [K, N] layout a 32-output chunk read 64 bytes of every K-row, which the hardware prefetcher
+// did not follow (B's rows are 1-6 KB apart): a 1-token forward's LoRA streamed at half the 4-bit products' rate.
 #include "q4.h"
 
 #include <ATen/Parallel.h>
@@ -16,76 +19,80 @@
 
 namespace {
 
-constexpr int kCols = 32;  // outputs per register chunk (2 vectors)
-constexpr int kRows = 8;   // rows per register chunk: 16 accumulators, 2 weight vectors widened per k for 16 FMAs
+constexpr int kCols = 32;     // outputs per panel (2 vectors)
+constexpr int kRowsMax = 12;  // rows per register pass: 24 accumulators, 2 weight vectors widened per k for 24 FMAs
 
 template <typename W>
-inline __m512 load16(const W* p, __mmask16 k) {
+inline __m512 load16(const W* p) {
   if constexpr (std::is_same_v<W, float>) {
-    return _mm512_maskz_loadu_ps(k, p);
+    return _mm512_loadu_ps(p);
   } else {  // bf16: the high half of an fp32
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(k, p)), 16));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
   }
 }
 
-// y[m, n0 .. n0 + 64) += sum_k x[m, k] w[k, n] for RB rows; NV = vectors of the chunk, `last` masks the final one.
-template <typename W, int RB, int NV>
-void rows_chunk(const float* x, int64_t ldx, const W* w, int64_t K, int64_t N, int64_t n0, float* y, int64_t ldy,
-                __mmask16 last) {
-  __m512 acc[RB][NV];
-  #pragma GCC unroll 8
-  for (int r = 0; r < RB; ++r)
-    #pragma GCC unroll 8
-    for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_maskz_loadu_ps(v == NV - 1 ? last : 0xffff, y + r * ldy + n0 + 16 * v);
+// y[m, 0 .. 32) (masks m0, m1: the panel's real outputs) += sum_k x[m, k] p[k, 0 .. 32) for RB rows; p one panel
+// [K][32], read front to back (one sequential stream, which the hardware prefetcher keeps ahead of the FMAs).
+template <typename W, int RB>
+void panel_rows(const float* x, int64_t ldx, const W* p, int64_t K, float* y, int64_t ldy, __mmask16 m0, __mmask16 m1) {
+  __m512 acc[RB][2];
+  #pragma GCC unroll 12
+  for (int r = 0; r < RB; ++r) {
+    acc[r][0] = _mm512_maskz_loadu_ps(m0, y + r * ldy);
+    acc[r][1] = _mm512_maskz_loadu_ps(m1, y + r * ldy + 16);
+  }
   for (int64_t k = 0; k < K; ++k) {
-    __m512 wv[NV];
-    #pragma GCC unroll 8
-    for (int v = 0; v < NV; ++v) wv[v] = load16(w + k * N + n0 + 16 * v, v == NV - 1 ? last : 0xffff);
-    #pragma GCC unroll 8
+    const __m512 w0 = load16(p + k * kCols), w1 = load16(p + k * kCols + 16);
+    #pragma GCC unroll 12
     for (int r = 0; r < RB; ++r) {
       const __m512 xv = _mm512_set1_ps(x[r * ldx + k]);
-      #pragma GCC unroll 8
-      for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_fmadd_ps(xv, wv[v], acc[r][v]);
+      acc[r][0] = _mm512_fmadd_ps(xv, w0, acc[r][0]);
+      acc[r][1] = _mm512_fmadd_ps(xv, w1, acc[r][1]);
     }
   }
-  #pragma GCC unroll 8
-  for (int r = 0; r < RB; ++r)
-    #pragma GCC unroll 8
-    for (int v = 0; v < NV; ++v) _mm512_mask_storeu_ps(y + r * ldy + n0 + 16 * v, v == NV - 1 ? last : 0xffff, acc[r][v]);
+  #pragma GCC unroll 12
+  for (int r = 0; r < RB; ++r) {
+    _mm512_mask_storeu_ps(y + r * ldy, m0, acc[r][0]);
+    _mm512_mask_storeu_ps(y + r * ldy + 16, m1, acc[r][1]);
+  }
 }
 
-template <typename W, int RB>
-void rows_block(const float* x, int64_t ldx, const W* w, int64_t K, int64_t N, int64_t n0, float* y, int64_t ldy) {
-  const int64_t left = std::min<int64_t>(kCols, N - n0);
-  const int nv = static_cast<int>((left + 15) / 16);
-  const int tail = static_cast<int>(left - 16 * (nv - 1));
-  const __mmask16 last = tail == 16 ? 0xffff : static_cast<__mmask16>((1u << tail) - 1);
-  if (nv == 1) rows_chunk<W, RB, 1>(x, ldx, w, K, N, n0, y, ldy, last);
-  else rows_chunk<W, RB, 2>(x, ldx, w, K, N, n0, y, ldy, last);
+template <typename Fn>
+void with_rows(int64_t rb, const Fn& fn) {
+  switch (rb) {
+    case 1: fn(std::integral_constant<int, 1>{}); break;
+    case 2: fn(std::integral_constant<int, 2>{}); break;
+    case 3: fn(std::integral_constant<int, 3>{}); break;
+    case 4: fn(std::integral_constant<int, 4>{}); break;
+    case 5: fn(std::integral_constant<int, 5>{}); break;
+    case 6: fn(std::integral_constant<int, 6>{}); break;
+    case 7: fn(std::integral_constant<int, 7>{}); break;
+    case 8: fn(std::integral_constant<int, 8>{}); break;
+    case 9: fn(std::integral_constant<int, 9>{}); break;
+    case 10: fn(std::integral_constant<int, 10>{}); break;
+    case 11: fn(std::integral_constant<int, 11>{}); break;
+    default: fn(std::integral_constant<int, 12>{}); break;
+  }
 }
 
-// y [M, N] (row stride ldy) += x [M, K] (row stride ldx) @ w [K, N] (contiguous, fp32 or bf16).
-void add_product(const float* x, int64_t ldx, const torch::Tensor& w, int64_t M, float* y, int64_t ldy) {
-  const int64_t K = w.size(0), N = w.size(1), chunks = (N + kCols - 1) / kCols;
+// y [M, N] (row stride ldy) += x [M, K] (row stride ldx) @ w, w as panels [ceil(N / 32), K, 32] (fp32 or bf16,
+// zero past N): each panel is read once for up to 12 rows; M rows in ceil(M / 12) passes of equal size (9 rows in
+// one pass, not 8 + a 1-row pass that streams the panel again for one row).
+void add_product(const float* x, int64_t ldx, const torch::Tensor& w, int64_t N, int64_t M, float* y, int64_t ldy) {
+  const int64_t chunks = w.size(0), K = w.size(1), passes = (M + kRowsMax - 1) / kRowsMax;
   auto run = [&](auto tag) {
     using W = decltype(tag);
     const W* wp = reinterpret_cast<const W*>(w.data_ptr());
     at::parallel_for(0, chunks, 16, [&](int64_t c0, int64_t c1) {
-      for (int64_t c = c0; c < c1; ++c)
-        for (int64_t m0 = 0; m0 < M; m0 += kRows) {
-          const float* xm = x + m0 * ldx;
-          float* ym = y + m0 * ldy;
-          switch (std::min<int64_t>(kRows, M - m0)) {
-            case 1: rows_block<W, 1>(xm, ldx, wp, K, N, c * kCols, ym, ldy); break;
-            case 2: rows_block<W, 2>(xm, ldx, wp, K, N, c * kCols, ym, ldy); break;
-            case 3: rows_block<W, 3>(xm, ldx, wp, K, N, c * kCols, ym, ldy); break;
-            case 4: rows_block<W, 4>(xm, ldx, wp, K, N, c * kCols, ym, ldy); break;
-            case 5: rows_block<W, 5>(xm, ldx, wp, K, N, c * kCols, ym, ldy); break;
-            case 6: rows_block<W, 6>(xm, ldx, wp, K, N, c * kCols, ym, ldy); break;
-            case 7: rows_block<W, 7>(xm, ldx, wp, K, N, c * kCols, ym, ldy); break;
-            default: rows_block<W, 8>(xm, ldx, wp, K, N, c * kCols, ym, ldy); break;
-          }
-        }
+      for (int64_t c = c0; c < c1; ++c) {
+        const int64_t n0 = c * kCols, left = std::min<int64_t>(kCols, N - n0);
+        const __mmask16 m0 = left >= 16 ? 0xffff : static_cast<__mmask16>((1u << left) - 1);
+        const __mmask16 m1 = left >= 32 ? 0xffff : left <= 16 ? 0 : static_cast<__mmask16>((1u << (left - 16)) - 1);
+        for (int64_t i = 0, r0 = 0, rb = 0; i < passes; ++i, r0 += rb)
+          with_rows(rb = (M - r0 + passes - i - 1) / (passes - i), [&](auto RB) {
+            panel_rows<W, RB.value>(x + r0 * ldx, ldx, wp + c * K * kCols, K, y + r0 * ldy + n0, ldy, m0, m1);
+          });
+      }
     });
   };
   if (w.scalar_type() == torch::kFloat) run(float{});
@@ -93,8 +100,9 @@ void add_product(const float* x, int64_t ldx, const torch::Tensor& w, int64_t M,
 }
 
 void check_weight(const torch::Tensor& w, const char* what) {
-  TORCH_CHECK(w.dim() == 2 && w.is_contiguous() && (w.scalar_type() == torch::kFloat || w.scalar_type() == torch::kBFloat16),
-              "lora_add: ", what, " must be a contiguous fp32 or bf16 matrix");
+  TORCH_CHECK(w.dim() == 3 && w.size(2) == kCols && w.is_contiguous() &&
+                  (w.scalar_type() == torch::kFloat || w.scalar_type() == torch::kBFloat16),
+              "lora_add: ", what, " must be contiguous fp32 or bf16 panels [N / 32, K, 32] (engine/weights/lora.py panels)");
 }
 
 }  // namespace
@@ -105,18 +113,18 @@ torch::Tensor lora_add(torch::Tensor y, torch::Tensor x, torch::Tensor a_t, std:
   TORCH_CHECK(y.dim() == 2 && y.scalar_type() == torch::kFloat && y.stride(1) == 1 && y.size(0) == x.size(0),
               "lora_add: y must be fp32 [M, N] with unit column stride and x's rows");
   check_weight(a_t, "A^T");
-  TORCH_CHECK(a_t.size(0) == x.size(1), "lora_add: A^T has ", a_t.size(0), " inputs, x ", x.size(1));
+  TORCH_CHECK(a_t.size(1) == x.size(1), "lora_add: A^T has ", a_t.size(1), " inputs, x ", x.size(1));
   TORCH_CHECK(slices.size() == 4 * b.size(), "lora_add: 4 slice bounds per B");
-  const int64_t M = x.size(0), R = a_t.size(1);
+  const int64_t M = x.size(0), R = a_t.size(0) * kCols;  // h's columns: the ranks, zero-padded to whole panels
   auto h = torch::zeros({M, R}, x.options());
-  add_product(x.data_ptr<float>(), x.size(1), a_t, M, h.data_ptr<float>(), R);
+  add_product(x.data_ptr<float>(), x.size(1), a_t, R, M, h.data_ptr<float>(), R);
   for (size_t s = 0; s < b.size(); ++s) {
     const int64_t r0 = slices[4 * s], r1 = slices[4 * s + 1], o0 = slices[4 * s + 2], o1 = slices[4 * s + 3];
     check_weight(b[s], "B^T");
-    TORCH_CHECK(0 <= r0 && r0 <= r1 && r1 <= R && b[s].size(0) == r1 - r0 && 0 <= o0 && o1 <= y.size(1) &&
-                    b[s].size(1) == o1 - o0,
+    TORCH_CHECK(0 <= r0 && r0 <= r1 && r1 <= R && b[s].size(1) == r1 - r0 && 0 <= o0 && o0 <= o1 && o1 <= y.size(1) &&
+                    b[s].size(0) == (o1 - o0 + kCols - 1) / kCols,
                 "lora_add: slice ", s, " does not fit (rank ", r0, "..", r1, " of ", R, ", outputs ", o0, "..", o1, ")");
-    add_product(h.data_ptr<float>() + r0, R, b[s], M, y.data_ptr<float>() + o0, y.stride(0));
+    add_product(h.data_ptr<float>() + r0, R, b[s], o1 - o0, M, y.data_ptr<float>() + o0, y.stride(0));
   }
   return y;
 }
