@@ -245,8 +245,17 @@ def test_lora_kernel_keeps_the_files_weights_and_sums_each_row_alone():
         torch.set_num_threads(threads)
     # the kernel's weights lie in 32-output panels, zero past the outputs; the ATen path reads them back
     t = torch.randn(70, 40, generator=g)
-    assert lora_panels(t).shape == (2, 70, 32) and torch.equal(lora_unpanel(lora_panels(t), 40), t)
+    for w in (t, t.bfloat16()):  # bf16: each k-pair's rows interleaved
+        assert lora_panels(w).shape == (2, 70, 32) and torch.equal(lora_unpanel(lora_panels(w), 40), w)
     assert not lora_panels(t)[1, :, 8:].any()
+    assert torch.equal(lora_panels(t.bfloat16())[0, 0, :4], t.bfloat16()[:2, :2].t().reshape(-1))
+    # an odd rank cannot pair up: that B stays fp32 panels (exact), and the sums are the same
+    odd = [((torch.randn(3, 576, generator=g) * 0.05).bfloat16(), (torch.randn(40, 3, generator=g) * 0.05).bfloat16())]
+    ours, aten = quant.LoRA(odd, [40], 2.0, k), quant.LoRA(odd, [40], 2.0)
+    assert ours.a_t.dtype == torch.bfloat16 and ours.b_t0.dtype == torch.float32
+    x, y0 = torch.randn(5, 576, generator=g), torch.randn(5, 40, generator=g)
+    want = aten.add_to(y0.clone(), x)
+    assert float((ours.add_to(y0.clone(), x) - want).abs().max()) < 1e-5 * float(want.abs().max())
     fp32_a = quant.LoRA([(torch.randn(4, 64, generator=g), torch.randn(8, 4, generator=g))], [8], 1.0, k)
     assert fp32_a.a_t.dtype == torch.float32  # an fp32 adapter's values that bf16 cannot hold stay fp32
     with pytest.raises(RuntimeError, match="slice 0 does not fit"):

@@ -10,9 +10,10 @@ from torch import Tensor, nn
 
 def exact_weights(t: Tensor, kernels: ModuleType | None) -> Tensor:
     """`t` as bf16 where our LoRA kernel runs and bf16 holds every value exactly (the adapter file's bf16 weights,
-    B times a power-of-two scale), else fp32: half the bytes a forward streams, the same numbers."""
+    B times a power-of-two scale) and its inputs pair up (even), else fp32: half the bytes a forward streams, the same
+    numbers."""
     t = t.float().contiguous()
-    if kernels is not None and torch.equal(t.bfloat16().float(), t):
+    if kernels is not None and t.shape[0] % 2 == 0 and torch.equal(t.bfloat16().float(), t):
         return t.bfloat16()
     return t
 
@@ -22,15 +23,22 @@ PANEL = 32  # outputs per panel of lora.cpp's layout
 
 def panels(t: Tensor) -> Tensor:
     """t [K, N] -> [ceil(N / 32), K, 32], zero past N: each 32-output panel contiguous, read by lora.cpp as one
-    sequential stream."""
+    sequential stream. bf16 (K even): each k-pair's two panel rows interleaved as [32][2] (k and k + 1 of an output
+    side by side in a dword, which lora.cpp splits with one shift or one and per 16 weights)."""
     k, n = t.shape
     c = -(-n // PANEL)
-    return torch.nn.functional.pad(t, (0, c * PANEL - n)).reshape(k, c, PANEL).permute(1, 0, 2).contiguous()
+    p = torch.nn.functional.pad(t, (0, c * PANEL - n)).reshape(k, c, PANEL).permute(1, 0, 2)
+    if t.dtype == torch.bfloat16:
+        p = p.reshape(c, k // 2, 2, PANEL).transpose(2, 3).reshape(c, k, PANEL)
+    return p.contiguous()
 
 
 def unpanel(p: Tensor, n: int) -> Tensor:
     """panels' inverse: [C, K, 32] -> [K, n]."""
-    return p.permute(1, 0, 2).reshape(p.shape[1], -1)[:, :n]
+    c, k, _ = p.shape
+    if p.dtype == torch.bfloat16:
+        p = p.reshape(c, k // 2, PANEL, 2).transpose(2, 3).reshape(c, k, PANEL)
+    return p.permute(1, 0, 2).reshape(k, -1)[:, :n]
 
 
 class LoRA(nn.Module):

@@ -22,17 +22,9 @@ namespace {
 constexpr int kCols = 32;     // outputs per panel (2 vectors)
 constexpr int kRowsMax = 12;  // rows per register pass: 24 accumulators, 2 weight vectors widened per k for 24 FMAs
 
-template <typename W>
-inline __m512 load16(const W* p) {
-  if constexpr (std::is_same_v<W, float>) {
-    return _mm512_loadu_ps(p);
-  } else {  // bf16: the high half of an fp32
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
-  }
-}
-
 // y[m, 0 .. 32) (masks m0, m1: the panel's real outputs) += sum_k x[m, k] p[k, 0 .. 32) for RB rows; p one panel
-// [K][32], read front to back (one sequential stream, which the hardware prefetcher keeps ahead of the FMAs).
+// (fp32: [K][32]; bf16: [K / 2][32][2], each k-pair's two weights side by side in a dword), read front to back: one
+// sequential stream, which the hardware prefetcher keeps ahead of the FMAs. Sums in k order, fp32 activations.
 template <typename W, int RB>
 void panel_rows(const float* x, int64_t ldx, const W* p, int64_t K, float* y, int64_t ldy, __mmask16 m0, __mmask16 m1) {
   __m512 acc[RB][2];
@@ -41,13 +33,22 @@ void panel_rows(const float* x, int64_t ldx, const W* p, int64_t K, float* y, in
     acc[r][0] = _mm512_maskz_loadu_ps(m0, y + r * ldy);
     acc[r][1] = _mm512_maskz_loadu_ps(m1, y + r * ldy + 16);
   }
-  for (int64_t k = 0; k < K; ++k) {
-    const __m512 w0 = load16(p + k * kCols), w1 = load16(p + k * kCols + 16);
+  auto fma_k = [&](int64_t k, __m512 w0, __m512 w1) {
     #pragma GCC unroll 12
     for (int r = 0; r < RB; ++r) {
       const __m512 xv = _mm512_set1_ps(x[r * ldx + k]);
       acc[r][0] = _mm512_fmadd_ps(xv, w0, acc[r][0]);
       acc[r][1] = _mm512_fmadd_ps(xv, w1, acc[r][1]);
+    }
+  };
+  if constexpr (std::is_same_v<W, float>) {
+    for (int64_t k = 0; k < K; ++k) fma_k(k, _mm512_loadu_ps(p + k * kCols), _mm512_loadu_ps(p + k * kCols + 16));
+  } else {  // a bf16 is the high half of an fp32: k's weights = dword << 16, k + 1's = dword & 0xffff0000
+    const __m512i high = _mm512_set1_epi32(static_cast<int>(0xffff0000u));
+    for (int64_t k = 0; k < K; k += 2) {
+      const __m512i a = _mm512_loadu_si512(p + k * kCols), b = _mm512_loadu_si512(p + k * kCols + 32);
+      fma_k(k, _mm512_castsi512_ps(_mm512_slli_epi32(a, 16)), _mm512_castsi512_ps(_mm512_slli_epi32(b, 16)));
+      fma_k(k + 1, _mm512_castsi512_ps(_mm512_and_si512(a, high)), _mm512_castsi512_ps(_mm512_and_si512(b, high)));
     }
   }
   #pragma GCC unroll 12
@@ -101,7 +102,7 @@ void add_product(const float* x, int64_t ldx, const torch::Tensor& w, int64_t N,
 
 void check_weight(const torch::Tensor& w, const char* what) {
   TORCH_CHECK(w.dim() == 3 && w.size(2) == kCols && w.is_contiguous() &&
-                  (w.scalar_type() == torch::kFloat || w.scalar_type() == torch::kBFloat16),
+                  (w.scalar_type() == torch::kFloat || (w.scalar_type() == torch::kBFloat16 && w.size(1) % 2 == 0)),
               "lora_add: ", what, " must be contiguous fp32 or bf16 panels [N / 32, K, 32] (engine/weights/lora.py panels)");
 }
 

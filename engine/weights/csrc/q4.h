@@ -12,7 +12,8 @@ torch::Tensor mm_i8_wide(torch::Tensor x, torch::Tensor w, torch::Tensor sc, boo
 // the same products on a copy prepacked once into that interleave (i8w_prepack -> pk, ps)
 std::vector<torch::Tensor> i8w_prepack(torch::Tensor w, torch::Tensor sc, bool q8);
 torch::Tensor mm_i8_pre(torch::Tensor x, torch::Tensor pk, torch::Tensor ps, int64_t N, bool q8);
-// y += (x A^T) B^T per fused part (lora.cpp); a_t [K, R], b[s] [r1 - r0, o1 - o0] fp32 or bf16; slices (r0, r1, o0, o1)
+// y += (x A^T) B^T per fused part (lora.cpp); a_t and b[s] in 32-output panels (engine/weights/lora.py panels), fp32
+// or bf16; slices (r0, r1, o0, o1)
 torch::Tensor lora_add(torch::Tensor y, torch::Tensor x, torch::Tensor a_t, std::vector<torch::Tensor> b,
                        std::vector<int64_t> slices);
 
