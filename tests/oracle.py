@@ -101,7 +101,9 @@ class _Row:
         if q0 == start:
             return "first"
         k = (q0 - start) // self.sbs
-        return "sub" if self.cache in ("dual", "dual-sparse") and self.refreshed == (start, k) else "full"
+        if self.cache == "dual-sparse" and self.refreshed is not None and self.refreshed[0] == start:
+            return "sub"  # dual-sparse: one whole-block forward per block; later sub-blocks refresh sparsely
+        return "sub" if self.cache == "dual" and self.refreshed == (start, k) else "full"
 
     def _commit(self, q: int, tok: int, out: list, conf: float = 1.0) -> None:
         self.confs[-1].append(conf)
@@ -147,8 +149,11 @@ class _Row:
             if kind == "sub" and self.cache == "dual-sparse":
                 # only the positions whose logits are read, those the previous forward committed (their K/V were
                 # written with the mask as input) and the one left of each of those, over the K/V every other
-                # position last got
+                # position last got; a new sub-block's first step reaches back over the previous one's last commits
                 a, b = self.window()
+                if self.refreshed != (start, k):
+                    a = max(start, min([a] + [q - 1 for q in self.last]))
+                    self.refreshed = (start, k)
                 need = sorted({q - 1 for q in cand if q - 1 >= a} | {q for q in self.last if a <= q < b}
                               | {q - 1 for q in self.last if a <= q - 1 < b})
                 logits = self.model(self.seq[:, need], torch.tensor([need]), self.kv, kv_len=start + bs)[0]
@@ -190,7 +195,8 @@ def decode(model, prompts: list[list[int]], *, mask_id: int, stop_ids, block_siz
     "none" and "block" caches must match it exactly). cache "dual": a step that does not start a sub-block runs
     only the window [lo - 1, lo + sub_block_size) over the K/V its sub-block's first (whole-block) step wrote, so
     the rest of the block's K/V are stale. cache "dual-sparse": such a step runs only the positions whose logits it
-    reads, those the previous forward committed and the one left of each of those."""
+    reads, those the previous forward committed and the one left of each of those, and so does the first step of
+    every sub-block after the block's first (its window reaching back over the previous forward's commits)."""
     rows = [_Row(model, p, mask_id, stop_ids, block_size, sub_block_size, threshold, strategy, factor,
                  max_new_tokens, cache, stop_guard) for p in prompts]
     for r in rows:

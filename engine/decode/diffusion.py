@@ -5,7 +5,7 @@ sub-blocks decoded left to right with confidence-thresholded parallel commits; a
 masks, one commit forward writes its clean K/V and yields the next block's first token.
 Cache modes: none (recompute the prefix), block (cached committed blocks), dual (also reuse the
 active block's K/V: a refresh forward at each new sub-block, then forwards of the sub-block only), dual-sparse
-(dual whose sub-block forwards compute only the rows they need: `_plan`).
+(dual whose forwards between a block's first and its commit compute only the rows they need: `_plan`).
 In a batch every row runs the forward it would run alone (`_forwards`: rows grouped by their forward's width).
 """
 from __future__ import annotations
@@ -21,7 +21,7 @@ from .base import Decoder
 from .rows import Batch, Row
 
 
-# A row's next forward: kind ('commit', 'block', 'sub'), window start and end, and for dual-sparse sub steps the
+# A row's next forward: kind ('commit', 'block', 'sub', 'refresh'), window start and end, and for dual-sparse steps the
 # positions it computes (None: the whole window)
 Plan = tuple[str, int, int, "list[int] | None"]
 
@@ -135,7 +135,7 @@ class DiffusionDecoder(Decoder):
         # the clean block's last logit gives the next block's first token; else the masked positions to decode
         # (a row's targets are read only inside its own window, never from a static path's pads)
         targets = [([r.block_start + bs] if r.block_start + bs < r.limit else []) if kind == "commit"
-                   else self._targets(r, a, a + (width if cfg.cache == "none" else e - s), full=kind != "sub")
+                   else self._targets(r, a, a + (width if cfg.cache == "none" else e - s), full=kind == "block")
                    for r, (kind, s, e, _), a in zip(rows, plan, starts)]
         if cfg.cache == "none" or all(p is None for *_, p in plan):
             idx = self._idx(targets, starts)
@@ -165,28 +165,38 @@ class DiffusionDecoder(Decoder):
         return (first - r.block_start) // sbs
 
     def _plan(self, r: Row) -> Plan:
-        """What this row's next forward is: 'commit', a whole-block 'block' step, or a dual 'sub' step; over the
-        window [start, end), or (dual-sparse sub steps) only over the listed positions.
+        """What this row's next forward is: 'commit', a whole-block 'block' step, a dual 'sub' step, or a dual-sparse
+        'refresh' (a new sub-block's first step); over the window [start, end), or (dual-sparse) only over the listed
+        positions.
 
         dual-sparse: a sub step computes the positions whose logits it reads (the one before each masked position),
         the tokens the row's previous forward committed (their K/V were computed with the mask as input) and the
         token left of each of those (its nearest context changed); the other committed tokens of the sub-block keep
         the K/V of their last forward, as the masked positions right of the sub-block already do in the dual cache.
         `dual` recomputes the whole sub-block window every step. (Without the left neighbours: 1.16x cheaper forwards
-        instead of 1.13x, and 11 fewer of 309 short answers right instead of 5: bench/results/dual_sparse.)"""
+        instead of 1.13x, and 11 fewer of 309 short answers right instead of 5: bench/results/dual_sparse.)
+        A new sub-block after the block's first is refreshed by the same rule, its window reaching back over the
+        tokens the previous sub-block's last step committed, instead of a whole-block forward (`dual` refreshes the
+        whole block at every sub-block): bench/results/sparse_refresh."""
         bs, sbs = self.cfg.block_size, self.cfg.sub_block_size
         if not self._masked(r, r.block_start, r.block_start + bs):
             return "commit", r.block_start, r.block_start + bs, None
         k = self._active_sub(r)
-        if self.cfg.cache not in ("dual", "dual-sparse") or r.refreshed_sub != k:
+        sparse = self.cfg.cache == "dual-sparse"
+        # the block's first whole-block forward writes every position's K/V; dual-sparse refreshes later sub-blocks
+        # sparsely (below), dual with another whole-block forward
+        if self.cfg.cache not in ("dual", "dual-sparse") or r.refreshed_sub != k and not (sparse and r.refreshed_sub >= 0):
             return "block", r.block_start, r.block_start + bs, None
         lo = r.block_start + k * sbs
         start, end = max(lo - 1, r.block_start), lo + sbs  # lo - 1: the logits that predict position lo
-        if self.cfg.cache == "dual":
+        if not sparse:
             return "sub", start, end, None
+        kind = "sub"
+        if r.refreshed_sub != k:  # a new sub-block: its step, and the previous sub-block's tokens just committed
+            kind, start = "refresh", max(r.block_start, min([start] + [q - 1 for q in r.fresh]))
         need = {q - 1 for q in self._masked(r, lo, end)} | {q for q in r.fresh if start <= q < end} \
             | {q - 1 for q in r.fresh if start <= q - 1 < end}
-        return "sub", start, end, sorted(q for q in need if q >= start)
+        return kind, start, end, sorted(q for q in need if q >= start)
 
     def _draws(self, r: Row, kind: str, targets: list[int]) -> int:
         """How many of a row's targets are commit candidates (sampled from the row's generator): all but the
