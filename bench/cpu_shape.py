@@ -7,10 +7,16 @@ Every measurement runs in a child process of its own (peak RSS is the child's), 
 
     python -m bench cpu-shape --shape qwen2.5-1.5b --threads 1,2 --out bench/results/cpu_shape_1.5b
 
-The projection replays Fast-dLLM v2's dual-cache schedule per 32-token block: one whole-block forward (block + 1
-positions) that refreshes the cache and commits, then sub-block steps (sub-block + 1 positions) until the block's 32
-tokens are in, at `--tpf` tokens per forward overall (the paper's 2.6 by default): block time = t(33) + (32 / tpf - 1)
-* t(9), against 32 AR steps of t(1).
+The projection replays a dual-cache schedule per 32-token block at `--tpf` tokens per forward overall (the paper's
+2.6 by default), F = 32 / tpf forwards a block, against 32 AR steps of t(1), on the forwards decoding runs (timed as
+`decode_ms`: the LM head only where decoding reads logits):
+- `dual` (the paper's DualCache, the engine's default): a whole-block refresh at each of the 4 sub-blocks (32
+  positions, head on the sub-block's 8), the commit (32 positions, head on 1) and F - 5 sub-block steps (9 positions,
+  head on 8): block = 4 t(refresh) + t(commit) + (F - 5) t(sub);
+- `dual-sparse`: one whole-block refresh a block, the commit, and F - 2 steps, timed as full sub-block windows (its
+  steps compute only the rows they need, ~5-6 at 1.3 tokens per forward: an upper bound);
+- `one_wide` (the first version of this projection, kept to compare with earlier results): one 33-wide forward with
+  the head on all 33 and F - 1 9-wide ones (head on all 9), which undercounts `dual`'s refreshes.
 
 With `--llamacpp-gguf PATH` (llama-cpp-python, requirements-llamacpp.txt) each repeat also times llama.cpp's greedy AR
 decode on a GGUF of the same weights (llama.cpp's convert_hf_to_gguf.py on the checkpoint, then Q4_1 projections with
@@ -29,6 +35,8 @@ from pathlib import Path
 from typing import Any
 
 BLOCK, SUB = 32, 8
+# the forwards a dual-cache decode runs: (positions, positions whose logits it reads)
+DECODE_SHAPES = {"refresh": (BLOCK, SUB), "commit": (BLOCK, 1), "sub": (SUB + 1, SUB)}
 PROMPT = [{"role": "user", "content": "Count from one to fifty."}]  # the AR prompt, chat-templated, of both children
 
 
@@ -51,6 +59,9 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
         model = eng.lm.base
         out["forward_ms"] = {str(k): 1000 * forward_at_width(model, k, args.prefix, torch.device("cpu"), torch.float32,
                                                              args.iters) for k in parse_list(args.widths, int)}
+        out["decode_ms"] = {name: 1000 * forward_at_width(model, k, args.prefix, torch.device("cpu"), torch.float32,
+                                                          args.iters, heads)
+                            for name, (k, heads) in DECODE_SHAPES.items()}
         ids = eng.encode(eng.chat_prompt(PROMPT))
         cfg = eng.decode_config(mode="ar", max_new_tokens=args.ar_tokens, stop_token_ids=(eng.lm.cfg.vocab_size - 1,))
         eng.generate_ids([ids], cfg)  # warm-up
@@ -130,12 +141,21 @@ def _run(cmd: list[str], env: dict[str, str]) -> dict[str, Any]:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def projection(ms: dict[str, float], tpf: float) -> dict[str, float]:
-    """Diffusion/AR speed of the dual-cache schedule at `tpf` tokens per forward (module docstring)."""
-    block = ms[str(BLOCK + 1)] + (BLOCK / tpf - 1) * ms[str(SUB + 1)]
+def projection(ms: dict[str, float], tpf: float, dec: dict[str, float] | None = None) -> dict[str, Any]:
+    """Diffusion/AR speed of the dual-cache schedules at `tpf` tokens per forward (module docstring)."""
+    f = BLOCK / tpf  # forwards a block
     ar = BLOCK * ms["1"]
-    return {"tpf": tpf, "block_ms": block, "ar_block_ms": ar, "diffusion_over_ar": ar / block,
-            "x9_over_x1": ms[str(SUB + 1)] / ms["1"], "x33_over_x1": ms[str(BLOCK + 1)] / ms["1"]}
+    one_wide = ms[str(BLOCK + 1)] + (f - 1) * ms[str(SUB + 1)]
+    out: dict[str, Any] = {"tpf": tpf, "forwards_per_block": f, "ar_block_ms": ar, "block_ms": one_wide,
+                           "diffusion_over_ar": ar / one_wide, "x9_over_x1": ms[str(SUB + 1)] / ms["1"],
+                           "x33_over_x1": ms[str(BLOCK + 1)] / ms["1"]}
+    if dec:
+        n = BLOCK // SUB
+        blocks = {"dual": n * dec["refresh"] + dec["commit"] + max(f - n - 1, 0) * dec["sub"],
+                  "dual-sparse": dec["refresh"] + dec["commit"] + max(f - 2, 0) * dec["sub"]}
+        out["schedules"] = {k: {"block_ms": v, "diffusion_over_ar": ar / v} for k, v in blocks.items()}
+        out.update({f"{k}_over_x1": v / ms["1"] for k, v in dec.items()})
+    return out
 
 
 def main(args: argparse.Namespace) -> int:
@@ -173,9 +193,10 @@ def main(args: argparse.Namespace) -> int:
     report["threads"] = {}  # "threads/activations" -> best of the repeats
     for th, rs in runs.items():
         ms = {k: min(r["forward_ms"][k] for r in rs) for k in rs[0]["forward_ms"]}
-        report["threads"][th] = {"forward_ms": ms, "ar_tok_s": max(r["ar"]["tok_s"] for r in rs),
+        dec = {k: min(r["decode_ms"][k] for r in rs) for k in rs[0]["decode_ms"]}
+        report["threads"][th] = {"forward_ms": ms, "decode_ms": dec, "ar_tok_s": max(r["ar"]["tok_s"] for r in rs),
                                  "peak_rss_mb": max(r["peak_rss_mb"] for r in rs), "runs": rs,
-                                 "projection": projection(ms, args.tpf)}
+                                 "projection": projection(ms, args.tpf, dec)}
     if args.llamacpp_gguf:
         report["llamacpp_gguf"], report["llamacpp"] = args.llamacpp_gguf, {}  # threads -> best of the repeats
         for th, rs in llama_runs.items():
@@ -188,8 +209,11 @@ def main(args: argparse.Namespace) -> int:
     for th, r in report["threads"].items():
         p = r["projection"]
         print(f"threads/activations {th}: " + ", ".join(f"{k}-wide {v:.1f} ms" for k, v in r["forward_ms"].items())
-              + f"; 9/1 {p['x9_over_x1']:.2f}x, 33/1 {p['x33_over_x1']:.2f}x; AR {r['ar_tok_s']:.2f} tok/s; "
-              f"projected diffusion/AR at {args.tpf} tok/fwd {p['diffusion_over_ar']:.2f}x")
+              + f"; 9/1 {p['x9_over_x1']:.2f}x, 33/1 {p['x33_over_x1']:.2f}x; decoding's forwards: "
+              + ", ".join(f"{k} {v:.1f} ms ({p[k + '_over_x1']:.2f}x)" for k, v in r["decode_ms"].items())
+              + f"; AR {r['ar_tok_s']:.2f} tok/s; projected diffusion/AR at {args.tpf} tok/fwd: "
+              + ", ".join(f"{k} {v['diffusion_over_ar']:.2f}x" for k, v in p["schedules"].items())
+              + f" (one 33-wide forward a block: {p['diffusion_over_ar']:.2f}x)")
     if args.llamacpp_gguf:
         print("AR tok/s, ours / llama.cpp (same weights): " + "; ".join(
             f"{th} threads: llama.cpp {r['ar_tok_s']:.2f}, " + ", ".join(

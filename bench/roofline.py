@@ -108,14 +108,16 @@ def random_model(shape: str, device: torch.device, dtype: torch.dtype):
     return packing.pack_for_decode(model) if packing.wanted(device, Runtime.from_env().pack) else model  # as Engine.load does
 
 
-def forward_at_width(model, k: int, prefix: int, device: torch.device, dtype: torch.dtype, iters: int) -> float:
-    """Median seconds of one forward of k query tokens after `prefix` cached ones, LM head on all k."""
+def forward_at_width(model, k: int, prefix: int, device: torch.device, dtype: torch.dtype, iters: int,
+                     heads: int | None = None) -> float:
+    """Median seconds of one forward of k query tokens after `prefix` cached ones, LM head on the last `heads` of them
+    (None: all k; decoding reads the logits of at most a sub-block)."""
     from engine.model import KVCache
 
     cache = KVCache(model.cfg, 1, prefix + k + 1, device, dtype)
     ids = torch.randint(0, 1000, (1, k), device=device)
     pos = (prefix + torch.arange(k, device=device))[None]
-    idx = torch.arange(k, device=device)[None]
+    idx = torch.arange(k - (heads or k), k, device=device)[None]
     with torch.inference_mode():
         return timed(lambda: model(ids, pos, cache, start=prefix, kv_len=prefix + k, logits_idx=idx), device, iters)
 

@@ -319,3 +319,20 @@ def test_kernels_bench_times_each_projection_shape_and_width(tmp_path, capsys):
             assert r[f"{kind}_us"] > 0
             assert math.isclose(r[f"{kind}_x_k1"], r[f"{kind}_us"] / base[f"{kind}_us"])
             assert math.isclose(r[f"{kind}_gmacs"], r["k"] * r["out"] * r["in"] / r[f"{kind}_us"] / 1e3)
+
+
+def test_cpu_shape_projection_counts_each_caches_whole_block_forwards():
+    """bench cpu-shape's projected diffusion/AR: `dual` runs a whole-block refresh at each of a block's 4 sub-blocks
+    and the commit, `dual-sparse` one refresh and the commit, the rest sub-block steps; at 2.6 tokens per forward a
+    block takes 32 / 2.6 forwards. (The first projection counted one whole-block forward for every schedule.)"""
+    from bench.cpu_shape import projection
+
+    ms = {"1": 1.0, "9": 2.0, "33": 10.0}
+    dec = {"refresh": 8.0, "commit": 7.0, "sub": 2.0}
+    p = projection(ms, 2.6, dec)
+    f = 32 / 2.6
+    assert p["schedules"]["dual"]["block_ms"] == pytest.approx(4 * 8 + 7 + (f - 5) * 2)
+    assert p["schedules"]["dual-sparse"]["block_ms"] == pytest.approx(8 + 7 + (f - 2) * 2)
+    assert p["schedules"]["dual"]["diffusion_over_ar"] == pytest.approx(32 / (4 * 8 + 7 + (f - 5) * 2))
+    assert p["block_ms"] == pytest.approx(10 + (f - 1) * 2) and p["refresh_over_x1"] == 8.0
+    assert projection(ms, 32.0, dec)["schedules"]["dual"]["block_ms"] == pytest.approx(39)  # never fewer steps than 0
