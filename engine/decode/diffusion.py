@@ -185,7 +185,8 @@ class DiffusionDecoder(Decoder):
         sparse = self.cfg.cache == "dual-sparse"
         # the block's first whole-block forward writes every position's K/V; dual-sparse refreshes later sub-blocks
         # sparsely (below), dual with another whole-block forward
-        if self.cfg.cache not in ("dual", "dual-sparse") or r.refreshed_sub != k and not (sparse and r.refreshed_sub >= 0):
+        whole = r.refreshed_sub != k and not (sparse and r.refreshed_sub >= 0)
+        if self.cfg.cache not in ("dual", "dual-sparse") or whole:
             return "block", r.block_start, r.block_start + bs, None
         lo = r.block_start + k * sbs
         start, end = max(lo - 1, r.block_start), lo + sbs  # lo - 1: the logits that predict position lo
