@@ -46,8 +46,9 @@ INFO = {
     "strategy": "threshold: fixed confidence cut-off; factor: commit the largest n with (n+1)(1-c_n) < factor.",
     "factor": "Factor strategy only: larger commits more tokens per forward (faster, riskier).",
     "cache": "none: recompute the prefix every step; block: cache finished blocks; "
-             "dual: also reuse the active block's K/V; dual-sparse: dual whose steps after a block's first compute only the "
-             "positions they read, the tokens just committed and their left neighbours (faster, approximate; CPU).",
+             "dual: also reuse the active block's K/V; dual-sparse: dual whose steps after a block's first compute "
+             "only the positions they read, the tokens just committed and their left neighbours (faster, approximate; "
+             "CPU).",
     "max_new_tokens": f"Upper bound on answer tokens, 1 to {MAX_NEW_TOKENS} (the stop token usually ends the answer "
                       "earlier).",
     "temperature": "0 = greedy (deterministic). Higher values sample more freely.",
