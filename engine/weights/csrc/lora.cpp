@@ -58,29 +58,11 @@ void panel_rows(const float* x, int64_t ldx, const W* p, int64_t K, float* y, in
   }
 }
 
-template <typename Fn>
-void with_rows(int64_t rb, const Fn& fn) {
-  switch (rb) {
-    case 1: fn(std::integral_constant<int, 1>{}); break;
-    case 2: fn(std::integral_constant<int, 2>{}); break;
-    case 3: fn(std::integral_constant<int, 3>{}); break;
-    case 4: fn(std::integral_constant<int, 4>{}); break;
-    case 5: fn(std::integral_constant<int, 5>{}); break;
-    case 6: fn(std::integral_constant<int, 6>{}); break;
-    case 7: fn(std::integral_constant<int, 7>{}); break;
-    case 8: fn(std::integral_constant<int, 8>{}); break;
-    case 9: fn(std::integral_constant<int, 9>{}); break;
-    case 10: fn(std::integral_constant<int, 10>{}); break;
-    case 11: fn(std::integral_constant<int, 11>{}); break;
-    default: fn(std::integral_constant<int, 12>{}); break;
-  }
-}
-
 // y [M, N] (row stride ldy) += x [M, K] (row stride ldx) @ w, w as panels [ceil(N / 32), K, 32] (fp32 or bf16,
 // zero past N): each panel is read once for up to 12 rows; M rows in ceil(M / 12) passes of equal size (9 rows in
 // one pass, not 8 + a 1-row pass that streams the panel again for one row).
 void add_product(const float* x, int64_t ldx, const torch::Tensor& w, int64_t N, int64_t M, float* y, int64_t ldy) {
-  const int64_t chunks = w.size(0), K = w.size(1), passes = (M + kRowsMax - 1) / kRowsMax;
+  const int64_t chunks = w.size(0), K = w.size(1);
   auto run = [&](auto tag) {
     using W = decltype(tag);
     const W* wp = reinterpret_cast<const W*>(w.data_ptr());
@@ -89,10 +71,9 @@ void add_product(const float* x, int64_t ldx, const torch::Tensor& w, int64_t N,
         const int64_t n0 = c * kCols, left = std::min<int64_t>(kCols, N - n0);
         const __mmask16 m0 = left >= 16 ? 0xffff : static_cast<__mmask16>((1u << left) - 1);
         const __mmask16 m1 = left >= 32 ? 0xffff : left <= 16 ? 0 : static_cast<__mmask16>((1u << (left - 16)) - 1);
-        for (int64_t i = 0, r0 = 0, rb = 0; i < passes; ++i, r0 += rb)
-          with_rows(rb = (M - r0 + passes - i - 1) / (passes - i), [&](auto RB) {
-            panel_rows<W, RB.value>(x + r0 * ldx, ldx, wp + c * K * kCols, K, y + r0 * ldy + n0, ldy, m0, m1);
-          });
+        for_passes<kRowsMax>(M, [&](int64_t r0, auto RB) {
+          panel_rows<W, RB.value>(x + r0 * ldx, ldx, wp + c * K * kCols, K, y + r0 * ldy + n0, ldy, m0, m1);
+        });
       }
     });
   };

@@ -224,16 +224,6 @@ __attribute__((target("avx512bf16"))) void bf16_unpack_tile(const uint8_t* w, co
 // that hide FMA latency. Neither changes the order of one row's sums.
 constexpr int64_t kRows = 4;
 
-template <typename Fn>
-void with_rows(int64_t mb, const Fn& fn) {
-  switch (mb) {
-    case 1: fn(std::integral_constant<int, 1>{}); break;
-    case 2: fn(std::integral_constant<int, 2>{}); break;
-    case 3: fn(std::integral_constant<int, 3>{}); break;
-    default: fn(std::integral_constant<int, 4>{}); break;
-  }
-}
-
 // tile(MB, m0, n0) for every 4-output block and, inside it, every chunk of up to kRows rows (the block's weights
 // stay in L1 across the chunks).
 template <typename Tile>
@@ -241,7 +231,7 @@ void over_outputs(int64_t M, int64_t N, const Tile& tile) {
   at::parallel_for(0, N / 4, kGrain / 4, [&](int64_t b0, int64_t b1) {
     for (int64_t blk = b0; blk < b1; ++blk)
       for (int64_t m0 = 0; m0 < M; m0 += kRows)
-        with_rows(std::min<int64_t>(kRows, M - m0), [&](auto MB) { tile(MB, m0, blk * kTile); });
+        with_rows<kRows>(std::min<int64_t>(kRows, M - m0), [&](auto MB) { tile(MB, m0, blk * kTile); });
   });
 }
 
@@ -282,7 +272,7 @@ torch::Tensor mm_f32(torch::Tensor x, torch::Tensor w, torch::Tensor sc, bool q8
         if (q8) f32_unpack_tile<true>(wp, sp, K, blk * kTile, buf);
         else f32_unpack_tile<false>(wp, sp, K, blk * kTile, buf);
         for (int64_t m0 = 0; m0 < M; m0 += kRows)
-          with_rows(std::min<int64_t>(kRows, M - m0), [&](auto MB) {
+          with_rows<kRows>(std::min<int64_t>(kRows, M - m0), [&](auto MB) {
             f32_rows<MB.value>(buf, xp + m0 * K, K, blk * kTile, yp + m0 * N, N);
           });
       }
@@ -314,7 +304,7 @@ __attribute__((target("avx512bf16"))) torch::Tensor mm_bf16(torch::Tensor x, tor
       if (q8) bf16_unpack_tile<true>(wp, sp, K, blk * kTile, wb.data());
       else bf16_unpack_tile<false>(wp, sp, K, blk * kTile, wb.data());
       for (int64_t m0 = 0; m0 < M; m0 += kRows)
-        with_rows(std::min<int64_t>(kRows, M - m0), [&](auto MB) {
+        with_rows<kRows>(std::min<int64_t>(kRows, M - m0), [&](auto MB) {
           bf16_rows<MB.value>(wb.data(), xbp + m0 * K, K, blk * kTile, yp + m0 * N, N);
         });
     }

@@ -2,7 +2,31 @@
 #pragma once
 #include <torch/extension.h>
 
+#include <cstdint>
+#include <type_traits>
 #include <vector>
+
+// fn(std::integral_constant<int, rb>) for rb in 1 .. Max (anything else: Max): a row count the register blocking
+// needs as a compile-time constant
+template <int Max, int N = 1, typename Fn>
+inline void with_rows(int64_t rb, const Fn& fn) {
+  if constexpr (N == Max) {
+    fn(std::integral_constant<int, N>{});
+  } else if (rb == N) {
+    fn(std::integral_constant<int, N>{});
+  } else {
+    with_rows<Max, N + 1>(rb, fn);
+  }
+}
+
+// M rows in ceil(M / Max) register passes of equal size (9 rows at Max 12 in one pass, not 8 + 1, which would stream
+// the weights again for one row): fn(first row, rows as a compile-time constant)
+template <int Max, typename Fn>
+inline void for_passes(int64_t M, const Fn& fn) {
+  const int64_t passes = (M + Max - 1) / Max;
+  for (int64_t i = 0, m0 = 0, rb = 0; i < passes; ++i, m0 += rb)
+    with_rows<Max>(rb = (M - m0 + passes - i - 1) / (passes - i), [&](auto RB) { fn(m0, RB); });
+}
 
 // x [M, K] fp32 @ W^T -> [M, N] fp32; W Q4 (w, dm) or Q8 (w, d) in q4.cpp's tiled layout.
 torch::Tensor mm_f32(torch::Tensor x, torch::Tensor w, torch::Tensor sc, bool q8);

@@ -232,21 +232,6 @@ void rows_pre(const uint8_t* pk, const uint16_t* ps, const int8_t* xq, const flo
   for (int r = 0; r < RB; ++r) _mm512_mask_storeu_ps(y + r * ldy, keep, acc[r]);
 }
 
-template <typename Fn>
-void with_rows(int64_t rb, const Fn& fn) {
-  switch (rb) {
-    case 1: fn(std::integral_constant<int, 1>{}); break;
-    case 2: fn(std::integral_constant<int, 2>{}); break;
-    case 3: fn(std::integral_constant<int, 3>{}); break;
-    case 4: fn(std::integral_constant<int, 4>{}); break;
-    case 5: fn(std::integral_constant<int, 5>{}); break;
-    case 6: fn(std::integral_constant<int, 6>{}); break;
-    case 7: fn(std::integral_constant<int, 7>{}); break;
-    case 8: fn(std::integral_constant<int, 8>{}); break;
-    default: fn(std::integral_constant<int, 9>{}); break;
-  }
-}
-
 // One block's interleave scratch: weights [G][8][64] bytes (16 K bytes: 78 KB at K = 4864, L2), then dw and mw
 // [G][16] floats.
 struct Scratch {
@@ -257,14 +242,6 @@ struct Scratch {
       : held(static_cast<uint8_t*>(std::aligned_alloc(64, G * (8 * 64 + 2 * kBlock * sizeof(float)))), &std::free),
         buf(held.get()), dw(reinterpret_cast<float*>(buf + G * 8 * 64)), mw(dw + G * kBlock) {}
 };
-
-// M rows in ceil(M / kRowsMax) register passes of equal size: fn(first row, rows as a compile-time constant).
-template <typename Fn>
-void for_passes(int64_t M, const Fn& fn) {
-  const int64_t passes = (M + kRowsMax - 1) / kRowsMax;
-  for (int64_t i = 0, m0 = 0, rb = 0; i < passes; ++i, m0 += rb)
-    with_rows(rb = (M - m0 + passes - i - 1) / (passes - i), [&](auto RB) { fn(m0, RB); });
-}
 
 inline __mmask16 keep_mask(int valid) {
   return valid == kBlock ? 0xffff : static_cast<__mmask16>((1u << valid) - 1);
@@ -303,7 +280,7 @@ torch::Tensor mm_i8_wide(torch::Tensor x, torch::Tensor w, torch::Tensor sc, boo
       const int64_t tile_bytes = (G / 2) * kTile * (q8 ? 64 : 32);
       const char* pf = blk + 1 < blocks ? reinterpret_cast<const char*>(wp + (n0 + kBlock) / kTile * tile_bytes) : nullptr;
       const int64_t pf_bytes = pf ? (std::min<int64_t>(kBlock, N - n0 - kBlock) / kTile) * tile_bytes : 0;
-      for_passes(M, [&](int64_t m0, auto RB) {
+      for_passes<kRowsMax>(M, [&](int64_t m0, auto RB) {
         rows_i8<RB.value>(s.buf, s.dw, s.mw, xq + m0 * K, dx + m0 * G, sx + m0 * G, K, G, yp + m0 * N + n0, N,
                           keep_mask(valid), m0 == 0 ? pf : nullptr, pf_bytes);
       });
@@ -375,7 +352,7 @@ torch::Tensor mm_i8_pre(torch::Tensor x, torch::Tensor pk, torch::Tensor ps, int
       const uint8_t* w = wp + blk * wbytes;
       const uint16_t* s = sp + blk * G * S * kBlock;
       const char* pf = blk + 1 < blocks ? reinterpret_cast<const char*>(w + wbytes) : nullptr;
-      for_passes(M, [&](int64_t m0, auto RB) {
+      for_passes<kRowsMax>(M, [&](int64_t m0, auto RB) {
         const int8_t* q = xq + m0 * K;
         const float *d = dx + m0 * G, *e = sx + m0 * G;
         float* out = yp + m0 * N + n0;
