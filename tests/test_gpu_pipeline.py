@@ -114,6 +114,43 @@ def test_part_count_fits_the_carry_limit():
         weights.part_count(weights.GGUF_BYTES, tree=40 * mib, reserve=20 * mib)
 
 
+def test_the_block_runs_from_a_branch_without_the_results_and_comes_back(tmp_path):
+    """`gpu prepare` switches to a branch without bench/results (no device command reads them), so the tree that
+    travels shrinks and the GGUF needs fewer parts; nothing is staged on the branch it left, `gpu back` returns to it
+    (or to a detached commit) with every file as it was; uncommitted changes to tracked files are refused."""
+    import subprocess
+
+    repo = tmp_path / "repo"
+    git = lambda *a: subprocess.run(["git", "-C", str(repo), *a], check=True, capture_output=True, text=True).stdout  # noqa: E731
+    (repo / "bench" / "results" / "run1").mkdir(parents=True)
+    (repo / "bench" / "results" / "run1" / "results.json").write_text("x" * 5000)
+    (repo / "bench" / "gpu.py").write_text("code")
+    (repo / "training").mkdir()
+    (repo / "training" / "data.bin").write_text("y" * 100)
+    subprocess.run(["git", "init", "-q", "-b", "main", str(repo)], check=True)
+    git("add", "-A")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "-m", "start")
+    head = git("rev-parse", "HEAD")
+    before = weights.tree_bytes(repo)
+    rep = gpu_block.set_aside(repo, ("bench/results",))
+    assert rep == {"branch": "gpu-block", "from": "main", "left_out": ["bench/results"]}
+    assert git("rev-parse", "--abbrev-ref", "HEAD").strip() == "gpu-block"
+    assert not (repo / "bench" / "results").exists() and (repo / "bench" / "gpu.py").read_text() == "code"
+    assert weights.tree_bytes(repo) == before - 5000
+    assert gpu_block.set_aside(repo, ("bench/results",))["from"] == "main"  # again: already there
+    assert gpu_block.come_back(repo) == {"on": "main", "switched": True}
+    assert git("rev-parse", "HEAD") == head and git("status", "--porcelain") == ""
+    assert (repo / "bench" / "results" / "run1" / "results.json").read_text() == "x" * 5000
+    git("switch", "-q", "--detach", "HEAD")
+    gpu_block.set_aside(repo, ("bench/results",))
+    assert gpu_block.come_back(repo) == {"on": head.strip(), "switched": True}
+    assert git("rev-parse", "--abbrev-ref", "HEAD").strip() == "HEAD" and git("status", "--porcelain") == ""
+    (repo / "training" / "data.bin").write_text("changed")
+    with pytest.raises(ValueError, match="uncommitted changes"):
+        gpu_block.set_aside(repo, ("bench/results",))
+    assert gpu_block.come_back(repo)["switched"] is False
+
+
 def test_weights_stage_checks_the_base_fingerprint(tmp_path, monkeypatch):
     """`gpu weights` compares the converted base with data/base_fingerprint.json: equal here by construction;
     a differing base fails the command after its report."""

