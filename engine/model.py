@@ -245,7 +245,9 @@ class CausalLM(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.packed = False  # True after engine.weights.packing.pack_for_decode (inference only)
-        self.steps: list | None = None  # engine/weights/quant.py LayerStep per layer: cached forwards up to a block, one call each
+        # engine/weights/layer_step.py LayerSteps (set by engine/weights/quant.py): cached forwards up to a block,
+        # every layer in one call of our kernels
+        self.steps = None
 
     def forward(self, ids: Tensor, pos: Tensor, cache: KVCache | None = None, *, start: int | None = None,
                 kv_len: int | None = None, mask: Tensor | Attend | None = None, causal: bool = False,
@@ -263,7 +265,7 @@ class CausalLM(nn.Module):
         # the one-call layer steps (engine/weights/csrc/layer.cpp) run cached CPU forwards up to their width
         explicit = cache is not None and ids.device.type == "cpu" and (mask is None or isinstance(mask, Tensor))
         fused = explicit and self.steps is not None and not torch.is_grad_enabled() \
-            and ids.shape[1] <= self.steps[0].max_width and not WIDE_CALLS.get()
+            and ids.shape[1] <= self.steps.max_width and not WIDE_CALLS.get()
         if cache_rows is not None and not fused:
             n = int(pos.max()) + 1 if kv_len is None else kv_len
             part = cache.take(cache_rows, min(whole_key_quanta(n), cache.k.shape[3]))
@@ -283,8 +285,7 @@ class CausalLM(nn.Module):
             shared = (cos.expand(b, 1, t, d).reshape(b * t, d).contiguous(), sin.expand(b, 1, t, d).reshape(b * t, d).contiguous(),
                       pos.expand(b, t).contiguous(), mask.expand(b, 1, t, mask.shape[-1]).reshape(b, t, -1).contiguous(),
                       cache_rows)
-            for i, step in enumerate(self.steps):
-                x = step(x, cache.k[i], cache.v[i], shared)
+            x = self.steps(x, cache.k, cache.v, shared)
         else:
             for layer in self.model.layers:
                 x = layer(x, cos, sin, pos, cache, start, kv_len, mask, causal)

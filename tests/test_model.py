@@ -255,9 +255,9 @@ def test_rows_read_whole_key_quanta_so_a_row_ignores_its_batch(tiny):
 
 
 def test_the_one_call_layer_step_takes_cached_forwards_up_to_a_block(tiny_fast_dllm, tmp_path, monkeypatch):
-    """At 4-bit on our kernels each decoder layer of a cached forward of up to 32 positions is one call (and gives the
-    eager layers' logits); wider forwards, wide_calls() (AR prefills), uncached forwards, callable masks and forwards
-    that keep gradients take the eager layers."""
+    """At 4-bit on our kernels a cached forward of up to 32 positions runs every decoder layer in one call (the logits
+    of the layers' steps called one by one, bit for bit, and near the eager layers'); wider forwards, wide_calls()
+    (AR prefills), uncached forwards, callable masks and forwards that keep gradients take the eager layers."""
     from engine import Engine
     from engine.weights import kernels as cpu_kernels
 
@@ -272,21 +272,26 @@ def test_the_one_call_layer_step_takes_cached_forwards_up_to_a_block(tiny_fast_d
     steps, calls = model.steps, []
     assert steps is not None and len(steps) == model.cfg.num_hidden_layers and steps[0].max_width == 32
 
-    class Counted:  # the real step, its widths recorded
-        max_width = steps[0].max_width
-
-        def __init__(self, step):
-            self.step = step
+    class Counted:  # the real layer steps (one call for every layer), each forward's width recorded
+        max_width = steps.max_width
 
         def __call__(self, x, *rest):
             calls.append(x.shape[1])
-            return self.step(x, *rest)
+            return steps(x, *rest)
 
     ids = torch.randint(0, 500, (2, 80), generator=torch.Generator().manual_seed(8))
     pos = torch.arange(80)[None].expand(2, -1)
 
-    def run(fused: bool, grad: bool = False) -> list[torch.Tensor]:
-        model.steps = [Counted(s) for s in steps] if fused else None
+    class OneByOne:  # each layer's step called from Python, as before the stack (layer.cpp's LayerStack)
+        max_width = steps.max_width
+
+        def __call__(self, x, cache_k, cache_v, shared):
+            for i, step in enumerate(steps):
+                x = step(x, cache_k[i], cache_v[i], shared)
+            return x
+
+    def run(fused: bool, grad: bool = False, via=None) -> list[torch.Tensor]:
+        model.steps = (via or Counted()) if fused else None
         cache = KVCache(model.cfg, 2, 96, CPU, torch.float32)
         with torch.set_grad_enabled(grad):
             out = [model(ids[:, :20], pos[:, :20], cache, start=0, causal=True),  # 20 wide: one call per layer
@@ -302,7 +307,8 @@ def test_the_one_call_layer_step_takes_cached_forwards_up_to_a_block(tiny_fast_d
         return out
 
     fused = run(True)
-    assert calls == [w for w in (20, 1, 32, 26) for _ in steps], calls
+    assert calls == [20, 1, 32, 26], calls
+    assert all(torch.equal(f, o) for f, o in zip(fused, run(True, via=OneByOne())))  # one call: the same numbers
     for f, e in zip(fused, run(False)):
         assert float((f - e).abs().max()) < 1e-4 * float(e.abs().max())
     calls.clear()

@@ -17,7 +17,7 @@ from .gguf import GROUP, GGUF_NAMES, GGUFWeights, Q4Blocks, cached_gguf, read_gg
 from .int4 import (ACTS, DEFAULT_ACT, DEFAULT_WIDE_ACT, FUSED_MAX_WIDTH, WIDE_ACTS, HEAD_WIDE_ROWS, OURS_WIDE_ROWS, TILE,  # noqa: F401
                    TORCH_WIDE_ROWS, DenseBF16Linear, Int4Linear, Int4Weight, LMHead, Q8Embedding,
                    Q8Head, pack_pairs, q8_planes, tiled)
-from .layer_step import LayerStep  # noqa: F401 (engine.weights.quant.LayerStep)
+from .layer_step import LayerStep, LayerSteps  # noqa: F401 (engine.weights.quant.LayerStep)
 from .lora import LoRA, exact_weights  # noqa: F401 (engine.weights.quant.LoRA)
 
 
@@ -175,7 +175,7 @@ class QuantizedPair:
                         setattr(owner, n, None)
         steps = [LayerStep(layer, self.head.kernels, self.policy.act) for layer in model.model.layers
                  if LayerStep.fits(layer)] if self.head.kernels is not None and self.policy.fused else []
-        model.steps = steps if len(steps) == len(model.model.layers) else None
+        model.steps = LayerSteps(steps) if len(steps) == len(model.model.layers) else None
         dtype = model.model.norm.weight.dtype
         model.model.embed_tokens = Q8Embedding(self.w.embed_q, self.w.embed_d, extra_rows, dtype)
         model.lm_head = LMHead(self.head, None if extra_rows is None else extra_rows.float(), self.policy.act, wide)

@@ -194,12 +194,13 @@ void attend_group(const float* qkv, int64_t W, int64_t qcol, int group, int64_t 
 
 }  // namespace
 
-torch::Tensor layer_step(torch::Tensor x, torch::Tensor norm1, torch::Tensor norm2, double eps,
-                         std::vector<torch::Tensor> weights, std::vector<c10::optional<torch::Tensor>> lora_a,
-                         std::vector<std::vector<torch::Tensor>> lora_b, std::vector<std::vector<int64_t>> lora_slices,
-                         bool int8, int64_t wide, int64_t heads, int64_t kv_heads, torch::Tensor cos, torch::Tensor sin,
-                         torch::Tensor cache_k, torch::Tensor cache_v, torch::Tensor pos, torch::Tensor mask,
-                         c10::optional<torch::Tensor> qkv_bias, c10::optional<torch::Tensor> cache_rows) {
+torch::Tensor layer_step(const torch::Tensor& x, const torch::Tensor& norm1, const torch::Tensor& norm2, double eps,
+                         const std::vector<torch::Tensor>& weights, const std::vector<c10::optional<torch::Tensor>>& lora_a,
+                         const std::vector<std::vector<torch::Tensor>>& lora_b,
+                         const std::vector<std::vector<int64_t>>& lora_slices, bool int8, int64_t wide, int64_t heads,
+                         int64_t kv_heads, const torch::Tensor& cos, const torch::Tensor& sin, const torch::Tensor& cache_k,
+                         const torch::Tensor& cache_v, const torch::Tensor& pos, const torch::Tensor& mask,
+                         const c10::optional<torch::Tensor>& qkv_bias, const c10::optional<torch::Tensor>& cache_rows) {
   TORCH_CHECK(x.dim() == 3 && x.scalar_type() == torch::kFloat && x.is_contiguous(), "layer_step: x must be fp32 [B, T, H]");
   TORCH_CHECK((weights.size() == 8 || weights.size() == 16) && lora_a.size() == 4 && lora_b.size() == 4 &&
                   lora_slices.size() == 4,
@@ -296,4 +297,17 @@ torch::Tensor layer_step(torch::Tensor x, torch::Tensor norm1, torch::Tensor nor
   torch::Tensor act = at::silu(gu.narrow(1, 0, I)) * gu.narrow(1, I, I);
   h1 += project(act, weights, 3, int8, wide, lora_a[3], lora_b[3], lora_slices[3]);
   return h1.view({B, T, H});
+}
+
+torch::Tensor LayerStack::forward(torch::Tensor x, int64_t wide, const torch::Tensor& cache_k,
+                                  const torch::Tensor& cache_v, const torch::Tensor& cos, const torch::Tensor& sin,
+                                  const torch::Tensor& pos, const torch::Tensor& mask,
+                                  const c10::optional<torch::Tensor>& cache_rows) const {
+  const int64_t layers = static_cast<int64_t>(norm1.size());
+  TORCH_CHECK(cache_k.dim() == 5 && cache_v.dim() == 5 && cache_k.size(0) == layers && cache_v.size(0) == layers,
+              "LayerStack: cache_k / cache_v must be [", layers, " layers, B, kv_heads, len, D]");
+  for (int64_t i = 0; i < layers; ++i)
+    x = layer_step(x, norm1[i], norm2[i], eps, weights[i], lora_a[i], lora_b[i], slices[i], int8, wide, heads, kv_heads,
+                   cos, sin, cache_k[i], cache_v[i], pos, mask, qkv_bias[i], cache_rows);
+  return x;
 }

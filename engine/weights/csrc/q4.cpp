@@ -329,6 +329,21 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "q8_i8w's numbers on i8w_prepack's copy (no per-call interleave)");
   m.def("lora_add", &lora_add, "y += (x A^T) B^T per fused part, rows on their own (lora.cpp)");
   m.def("layer_step", &layer_step, "one decoder layer's narrow forward over a KV cache (engine/csrc/layer.cpp)");
+  py::class_<LayerStack>(m, "LayerStack", "every decoder layer for layer_step, handed over once (layer.cpp)")
+      .def(py::init([](std::vector<torch::Tensor> norm1, std::vector<torch::Tensor> norm2, double eps,
+                       std::vector<std::vector<torch::Tensor>> weights,
+                       std::vector<std::vector<c10::optional<torch::Tensor>>> lora_a,
+                       std::vector<std::vector<std::vector<torch::Tensor>>> lora_b,
+                       std::vector<std::vector<std::vector<int64_t>>> slices,
+                       std::vector<c10::optional<torch::Tensor>> qkv_bias, bool int8, int64_t heads, int64_t kv_heads) {
+             const size_t n = norm1.size();
+             TORCH_CHECK(n > 0 && norm2.size() == n && weights.size() == n && lora_a.size() == n && lora_b.size() == n &&
+                             slices.size() == n && qkv_bias.size() == n,
+                         "LayerStack: one entry per layer in every list");
+             return LayerStack{std::move(norm1), std::move(norm2), eps, std::move(weights), std::move(lora_a),
+                               std::move(lora_b), std::move(slices), std::move(qkv_bias), int8, heads, kv_heads};
+           }))
+      .def("forward", &LayerStack::forward, "x through every layer (cache_k / cache_v with the layers first)");
   m.def("q4_f32", [](torch::Tensor x, torch::Tensor w, torch::Tensor dm) { return mm_f32(x, w, dm, false); },
         "x [M,K] fp32 @ Q4 [N,K]^T -> [M,N] fp32, fp32 activations");
   m.def("q8_f32", [](torch::Tensor x, torch::Tensor w, torch::Tensor d) { return mm_f32(x, w, d, true); },

@@ -41,9 +41,28 @@ torch::Tensor mm_i8_pre(torch::Tensor x, torch::Tensor pk, torch::Tensor ps, int
 torch::Tensor lora_add(torch::Tensor y, torch::Tensor x, torch::Tensor a_t, std::vector<torch::Tensor> b,
                        std::vector<int64_t> slices);
 
-torch::Tensor layer_step(torch::Tensor x, torch::Tensor norm1, torch::Tensor norm2, double eps,
-                         std::vector<torch::Tensor> weights, std::vector<c10::optional<torch::Tensor>> lora_a,
-                         std::vector<std::vector<torch::Tensor>> lora_b, std::vector<std::vector<int64_t>> lora_slices,
-                         bool int8, int64_t wide, int64_t heads, int64_t kv_heads, torch::Tensor cos, torch::Tensor sin,
-                         torch::Tensor cache_k, torch::Tensor cache_v, torch::Tensor pos, torch::Tensor mask,
-                         c10::optional<torch::Tensor> qkv_bias, c10::optional<torch::Tensor> cache_rows);
+torch::Tensor layer_step(const torch::Tensor& x, const torch::Tensor& norm1, const torch::Tensor& norm2, double eps,
+                         const std::vector<torch::Tensor>& weights, const std::vector<c10::optional<torch::Tensor>>& lora_a,
+                         const std::vector<std::vector<torch::Tensor>>& lora_b,
+                         const std::vector<std::vector<int64_t>>& lora_slices, bool int8, int64_t wide, int64_t heads,
+                         int64_t kv_heads, const torch::Tensor& cos, const torch::Tensor& sin, const torch::Tensor& cache_k,
+                         const torch::Tensor& cache_v, const torch::Tensor& pos, const torch::Tensor& mask,
+                         const c10::optional<torch::Tensor>& qkv_bias, const c10::optional<torch::Tensor>& cache_rows);
+
+// Every decoder layer of a model for layer_step, handed over once (at load): a forward is then one call from Python
+// instead of one per layer, each of which converted ~30 tensors.
+struct LayerStack {
+  std::vector<torch::Tensor> norm1, norm2;
+  double eps;
+  std::vector<std::vector<torch::Tensor>> weights;
+  std::vector<std::vector<c10::optional<torch::Tensor>>> lora_a;
+  std::vector<std::vector<std::vector<torch::Tensor>>> lora_b;
+  std::vector<std::vector<std::vector<int64_t>>> slices;
+  std::vector<c10::optional<torch::Tensor>> qkv_bias;
+  bool int8;
+  int64_t heads, kv_heads;
+  // x through every layer; cache_k / cache_v [layers, B, kv_heads, len, D]; the rest as layer_step's
+  torch::Tensor forward(torch::Tensor x, int64_t wide, const torch::Tensor& cache_k, const torch::Tensor& cache_v,
+                        const torch::Tensor& cos, const torch::Tensor& sin, const torch::Tensor& pos,
+                        const torch::Tensor& mask, const c10::optional<torch::Tensor>& cache_rows) const;
+};
