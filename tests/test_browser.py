@@ -276,7 +276,11 @@ def test_stop_shows_a_stopped_state(page):
 
 def test_stopped_race_and_sweep_say_so(page):
     """A race stopped during its diffusion run says the AR run never started; a stopped sweep keeps its points."""
-    pg = page  # still max 256 tokens at threshold 1.0: long enough to stop mid-run
+    pg = page  # still max 256 tokens at threshold 1.0
+    _settings(pg)
+    # no cache: every forward recomputes the whole prefix, so the diffusion run lasts long enough for Stop to land in
+    # it however fast the engine is (on the dual cache it could end before the click arrived)
+    pg.locator("#fd-cache input[value='none']").check()
     pg.get_by_role("tab", name="Race").click()
     pg.locator("#fd-race-msg textarea, #fd-race-msg input").first.fill("Count from one to fifty, one per line.")
     pg.click("#fd-race")
@@ -286,6 +290,7 @@ def test_stopped_race_and_sweep_say_so(page):
                          "diffusion run')", timeout=60_000)
     assert pg.locator("#fd-race-d .fd-badge-stopped").count() == 1
     assert "Not run" in pg.locator("#fd-race-ar").inner_text()
+    pg.locator("#fd-cache input[value='dual']").check()
     pg.get_by_role("tab", name="Sweep").click()
     pg.locator("#fd-sweep-msg textarea, #fd-sweep-msg input").first.fill("Count from one to fifty, one per line.")
     pg.click("#fd-sweep")
