@@ -264,6 +264,8 @@ def test_heatmap_fills_its_panel_after_tab_switches(page):
 def test_stop_shows_a_stopped_state(page):
     pg = page
     _settings(pg, **{"max-new": 256, "threshold": 1.0})
+    # no cache: every forward recomputes the whole prefix, so the answer lasts long enough for Stop to land in it
+    pg.locator("#fd-cache input[value='none']").check()
     _send(pg, "Count from one to fifty, one number per line.")
     pg.wait_for_function("document.querySelectorAll('#fd-live .fd-cell.fd-done').length >= 3", timeout=120_000)
     pg.click("#fd-stop")
@@ -272,6 +274,7 @@ def test_stop_shows_a_stopped_state(page):
     assert "Stop pressed" in pg.locator("#fd-live .fd-status").inner_text()
     pg.wait_for_function("document.querySelector('#fd-chat').innerText.includes('stopped')", timeout=20_000)
     assert pg.locator('#fd-meters .fd-card[data-k="stop"] .fd-card-v').inner_text() == "stopped"
+    pg.locator("#fd-cache input[value='dual']").check()
 
 
 def test_stopped_race_and_sweep_say_so(page):
@@ -279,7 +282,7 @@ def test_stopped_race_and_sweep_say_so(page):
     pg = page  # still max 256 tokens at threshold 1.0
     _settings(pg)
     # no cache: every forward recomputes the whole prefix, so the diffusion run lasts long enough for Stop to land in
-    # it however fast the engine is (on the dual cache it could end before the click arrived)
+    # it however fast the engine is (on the dual cache it ended before the click arrived once, under two workers)
     pg.locator("#fd-cache input[value='none']").check()
     pg.get_by_role("tab", name="Race").click()
     pg.locator("#fd-race-msg textarea, #fd-race-msg input").first.fill("Count from one to fifty, one per line.")
