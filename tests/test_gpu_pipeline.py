@@ -116,8 +116,9 @@ def test_part_count_fits_the_carry_limit():
 
 def test_the_block_runs_from_a_branch_without_the_results_and_comes_back(tmp_path):
     """`gpu prepare` switches to a branch without bench/results (no device command reads them), so the tree that
-    travels shrinks and the GGUF needs fewer parts; nothing is staged on the branch it left, `gpu back` returns to it
-    (or to a detached commit) with every file as it was; uncommitted changes to tracked files are refused."""
+    travels shrinks and the GGUF needs fewer parts; nothing is staged on the branch it left, commits on the block's
+    branch are refused, `gpu back` returns to it (or to a detached commit) with every file as it was; uncommitted
+    changes to tracked files are refused."""
     import subprocess
 
     repo = tmp_path / "repo"
@@ -138,9 +139,17 @@ def test_the_block_runs_from_a_branch_without_the_results_and_comes_back(tmp_pat
     assert not (repo / "bench" / "results").exists() and (repo / "bench" / "gpu.py").read_text() == "code"
     assert weights.tree_bytes(repo) == before - 5000
     assert gpu_block.set_aside(repo, ("bench/results",))["from"] == "main"  # again: already there
+    (repo / "training" / "new.txt").write_text("result")
+    git("add", "training/new.txt")
+    refused = subprocess.run(["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "-m",
+                              "x"], capture_output=True, text=True)
+    assert refused.returncode != 0 and "gpu back" in refused.stderr  # commits wait for the way back
+    git("reset", "-q", "training/new.txt")
+    (repo / "training" / "new.txt").unlink()
     assert gpu_block.come_back(repo) == {"on": "main", "switched": True}
     assert git("rev-parse", "HEAD") == head and git("status", "--porcelain") == ""
     assert (repo / "bench" / "results" / "run1" / "results.json").read_text() == "x" * 5000
+    assert not (repo / ".git" / "hooks" / "pre-commit").exists()  # gone with the branch
     git("switch", "-q", "--detach", "HEAD")
     gpu_block.set_aside(repo, ("bench/results",))
     assert gpu_block.come_back(repo) == {"on": head.strip(), "switched": True}
@@ -149,6 +158,7 @@ def test_the_block_runs_from_a_branch_without_the_results_and_comes_back(tmp_pat
     with pytest.raises(ValueError, match="uncommitted changes"):
         gpu_block.set_aside(repo, ("bench/results",))
     assert gpu_block.come_back(repo)["switched"] is False
+    assert gpu_block.come_back(tmp_path / "not-a-checkout") == {"on": None, "switched": False}
 
 
 def test_weights_stage_checks_the_base_fingerprint(tmp_path, monkeypatch):

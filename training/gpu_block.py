@@ -68,6 +68,15 @@ TRAIN = (f"python3 -m training gpu train --out $OUT/train --data {SEED_DATA} --r
 # on 2026-11-28, 4 without): each part is a call, ~15-20 s of device time.
 NOT_CARRIED = ("bench/results",)
 BLOCK_BRANCH = "gpu-block"
+HOOK_MARK = "# written by `python -m training gpu prepare`; `gpu back` removes it"
+# Commits made on the block's branch would not reach main (and would delete bench/results there if merged): refused.
+PRE_COMMIT = f"""#!/bin/sh
+{HOOK_MARK}
+if [ "$(git rev-parse --abbrev-ref HEAD)" = "{BLOCK_BRANCH}" ]; then
+  echo "on the GPU block's branch (bench/results set aside): run 'python -m training gpu back' before committing" >&2
+  exit 1
+fi
+"""
 FINGERPRINT_FILE = Path(__file__).resolve().parent / "data" / "base_fingerprint.json"
 FINGERPRINT_PROMPT = "Name three colors."
 
@@ -134,7 +143,8 @@ def set_aside(repo: Path = REPO, paths: tuple[str, ...] = NOT_CARRIED, branch: s
     """Switch the checkout to `branch`: HEAD's commit without `paths` (HEAD its parent), so that what every device
     command sends leaves them out. Built in a scratch index, so nothing is staged on the branch you were on; the
     switch removes the paths from the working tree and `come_back` restores them. Refuses with uncommitted changes
-    to tracked files. Commits made during the block land on `branch`: switch back (`come_back`) to commit results."""
+    to tracked files. A pre-commit hook refuses commits on `branch` (they would not reach the branch you were on)
+    until `come_back`."""
     gitdir = Path(_git(repo, "rev-parse", "--absolute-git-dir"))
     if _git(repo, "rev-parse", "--abbrev-ref", "HEAD") == branch:
         return {"branch": branch, "from": (gitdir / "gpu-block-from").read_text().split()[1], "left_out": list(paths)}
@@ -152,6 +162,11 @@ def set_aside(repo: Path = REPO, paths: tuple[str, ...] = NOT_CARRIED, branch: s
     commit = _git(repo, "commit-tree", tree, "-p", "HEAD", "-m",
                   f"GPU block: {came_from} without {', '.join(paths)} (what no device command reads)", env=env)
     _git(repo, "branch", "-f", branch, commit)
+    hook = repo / _git(repo, "rev-parse", "--git-path", "hooks") / "pre-commit"  # core.hooksPath if set
+    if not hook.exists():  # never over someone's own hook
+        hook.parent.mkdir(parents=True, exist_ok=True)
+        hook.write_text(PRE_COMMIT)
+        hook.chmod(0o755)
     (gitdir / "gpu-block-from").write_text(f"{'commit' if name == 'HEAD' else 'branch'} {came_from}\n")
     _git(repo, "switch", "-q", branch)
     return {"branch": branch, "from": came_from, "left_out": list(paths)}
@@ -159,11 +174,17 @@ def set_aside(repo: Path = REPO, paths: tuple[str, ...] = NOT_CARRIED, branch: s
 
 def come_back(repo: Path = REPO, branch: str = BLOCK_BRANCH) -> dict:
     """After the block: back to the branch (or commit) `set_aside` left; the set-aside paths return with it."""
-    gitdir = Path(_git(repo, "rev-parse", "--absolute-git-dir"))
-    if _git(repo, "rev-parse", "--abbrev-ref", "HEAD") != branch:
-        return {"on": _git(repo, "rev-parse", "--abbrev-ref", "HEAD"), "switched": False}
+    try:
+        gitdir, on = Path(_git(repo, "rev-parse", "--absolute-git-dir")), _git(repo, "rev-parse", "--abbrev-ref", "HEAD")
+    except (OSError, subprocess.CalledProcessError):  # not a git checkout (a copy of the files): nothing to switch
+        return {"on": None, "switched": False}
+    if on != branch:
+        return {"on": on, "switched": False}
     kind, came_from = (gitdir / "gpu-block-from").read_text().split()
     _git(repo, "switch", "-q", *(["--detach"] if kind == "commit" else []), came_from)
+    hook = repo / _git(repo, "rev-parse", "--git-path", "hooks") / "pre-commit"
+    if hook.exists() and HOOK_MARK in hook.read_text():
+        hook.unlink()
     return {"on": came_from, "switched": True}
 
 
