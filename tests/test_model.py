@@ -309,6 +309,11 @@ def test_the_one_call_layer_step_takes_cached_forwards_up_to_a_block(tiny_fast_d
     fused = run(True)
     assert calls == [20, 1, 32, 26], calls
     assert all(torch.equal(f, o) for f, o in zip(fused, run(True, via=OneByOne())))  # one call: the same numbers
+    short = KVCache(model.cfg, 1, 32, CPU, torch.float32)  # a cache for fewer layers than the model has: refused
+    x, rows = torch.zeros(1, 1, model.cfg.hidden_size), torch.zeros(1, 32, dtype=torch.bool)
+    with pytest.raises(RuntimeError, match="layers"):
+        steps.stack.forward(x, 0, short.k[:1], short.v[:1], *(torch.zeros(1, model.cfg.head_dim),) * 2,
+                            torch.zeros(1, 1, dtype=torch.long), rows[None], None)
     for f, e in zip(fused, run(False)):
         assert float((f - e).abs().max()) < 1e-4 * float(e.abs().max())
     calls.clear()
