@@ -70,6 +70,10 @@ def page(browser):
     assert not pg.errors, pg.errors
 
 
+# a prompt the bundled model answers at length even at the studio's defaults (234 tokens at threshold 1.0)
+LONG_PROMPT = "Write a long, detailed essay about the history of the Roman Empire."
+
+
 def _settings(pg, **values: float) -> None:
     """Open the settings accordion (once) and type values into its sliders' number boxes."""
     if not pg.locator("#fd-max-new").is_visible():
@@ -264,9 +268,10 @@ def test_heatmap_fills_its_panel_after_tab_switches(page):
 def test_stop_shows_a_stopped_state(page):
     pg = page
     _settings(pg, **{"max-new": 256, "threshold": 1.0})
-    # no cache: every forward recomputes the whole prefix, so the answer lasts long enough for Stop to land in it
+    # a long answer (234 tokens at these settings) and no cache (every forward recomputes the whole prefix): Stop
+    # lands in it however fast the engine is and however slowly the click arrives on a loaded machine
     pg.locator("#fd-cache input[value='none']").check()
-    _send(pg, "Count from one to fifty, one number per line.")
+    _send(pg, LONG_PROMPT)
     pg.wait_for_function("document.querySelectorAll('#fd-live .fd-cell.fd-done').length >= 3", timeout=120_000)
     pg.click("#fd-stop")
     pg.wait_for_selector("#fd-live .fd-badge-stopped", timeout=60_000)
@@ -281,11 +286,11 @@ def test_stopped_race_and_sweep_say_so(page):
     """A race stopped during its diffusion run says the AR run never started; a stopped sweep keeps its points."""
     pg = page  # still max 256 tokens at threshold 1.0
     _settings(pg)
-    # no cache: every forward recomputes the whole prefix, so the diffusion run lasts long enough for Stop to land in
-    # it however fast the engine is (on the dual cache it ended before the click arrived once, under two workers)
+    # as above: the first diffusion run lasts long enough for Stop to land in it (a short one ended before the click
+    # arrived twice under two test workers, and the race went on to its AR run and its second diffusion run)
     pg.locator("#fd-cache input[value='none']").check()
     pg.get_by_role("tab", name="Race").click()
-    pg.locator("#fd-race-msg textarea, #fd-race-msg input").first.fill("Count from one to fifty, one per line.")
+    pg.locator("#fd-race-msg textarea, #fd-race-msg input").first.fill(LONG_PROMPT)
     pg.click("#fd-race")
     pg.wait_for_function("document.querySelectorAll('#fd-race-d .fd-cell.fd-done').length >= 3", timeout=120_000)
     pg.click("#fd-race-stop")
