@@ -63,7 +63,7 @@ class Runtime:
     # every product is int8 or the copy is small, engine.weights.quant.PREPACK_MAX_BYTES)
     int8_prepack: bool | None = None
     kernels: str = "auto"  # FASTDLLM_KERNELS: auto | ours | torch
-    fused: bool = True  # FASTDLLM_FUSED: one C++ call per decoder layer for narrow 4-bit forwards
+    fused: bool = True  # FASTDLLM_FUSED: one C++ call for every decoder layer of a narrow 4-bit forward
     pack: bool = True  # FASTDLLM_PACK: the dense CPU decode layout
     static: bool | None = None  # FASTDLLM_STATIC: static-shape steps (None: on for CUDA, off for CPU)
     graphs: bool = True  # FASTDLLM_GRAPHS: CUDA graph capture of static steps
