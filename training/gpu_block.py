@@ -139,18 +139,21 @@ def _git(repo: Path, *args: str, env: dict | None = None) -> str:
                           env=env).stdout.strip()
 
 
+def _hook(repo: Path) -> Path:
+    return repo / _git(repo, "rev-parse", "--git-path", "hooks") / "pre-commit"  # core.hooksPath if set
+
+
 def set_aside(repo: Path = REPO, paths: tuple[str, ...] = NOT_CARRIED, branch: str = BLOCK_BRANCH) -> dict:
     """Switch the checkout to `branch`: HEAD's commit without `paths` (HEAD its parent), so that what every device
     command sends leaves them out. Built in a scratch index, so nothing is staged on the branch you were on; the
     switch removes the paths from the working tree and `come_back` restores them. Refuses with uncommitted changes
     to tracked files. A pre-commit hook refuses commits on `branch` (they would not reach the branch you were on)
     until `come_back`."""
-    gitdir = Path(_git(repo, "rev-parse", "--absolute-git-dir"))
-    if _git(repo, "rev-parse", "--abbrev-ref", "HEAD") == branch:
+    gitdir, name = Path(_git(repo, "rev-parse", "--absolute-git-dir")), _git(repo, "rev-parse", "--abbrev-ref", "HEAD")
+    if name == branch:
         return {"branch": branch, "from": (gitdir / "gpu-block-from").read_text().split()[1], "left_out": list(paths)}
     if _git(repo, "status", "--porcelain", "--untracked-files=no"):
         raise ValueError("set_aside: the checkout has uncommitted changes to tracked files; commit or stash them first")
-    name = _git(repo, "rev-parse", "--abbrev-ref", "HEAD")
     came_from = _git(repo, "rev-parse", "HEAD") if name == "HEAD" else name  # a detached HEAD: its commit
     env = {**os.environ, "GIT_INDEX_FILE": str(gitdir / "gpu-block-index"), "GIT_AUTHOR_NAME": "gpu block",
            "GIT_AUTHOR_EMAIL": "gpu-block@localhost", "GIT_COMMITTER_NAME": "gpu block",
@@ -162,7 +165,7 @@ def set_aside(repo: Path = REPO, paths: tuple[str, ...] = NOT_CARRIED, branch: s
     commit = _git(repo, "commit-tree", tree, "-p", "HEAD", "-m",
                   f"GPU block: {came_from} without {', '.join(paths)} (what no device command reads)", env=env)
     _git(repo, "branch", "-f", branch, commit)
-    hook = repo / _git(repo, "rev-parse", "--git-path", "hooks") / "pre-commit"  # core.hooksPath if set
+    hook = _hook(repo)
     if not hook.exists():  # never over someone's own hook
         hook.parent.mkdir(parents=True, exist_ok=True)
         hook.write_text(PRE_COMMIT)
@@ -182,7 +185,7 @@ def come_back(repo: Path = REPO, branch: str = BLOCK_BRANCH) -> dict:
         return {"on": on, "switched": False}
     kind, came_from = (gitdir / "gpu-block-from").read_text().split()
     _git(repo, "switch", "-q", *(["--detach"] if kind == "commit" else []), came_from)
-    hook = repo / _git(repo, "rev-parse", "--git-path", "hooks") / "pre-commit"
+    hook = _hook(repo)
     if hook.exists() and HOOK_MARK in hook.read_text():
         hook.unlink()
     return {"on": came_from, "switched": True}

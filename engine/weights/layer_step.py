@@ -42,13 +42,17 @@ class LayerStep:
         return all(isinstance(p, Int4Linear) and p.weight.kernels is not None for p in projs) \
             and all(p.bias is None for p in projs[1:]) and layer.self_attn.d % 16 == 0 and layer.self_attn.d <= 128
 
+    def wide(self, width: int) -> int:
+        """layer.cpp's product mode for a forward of `width` positions: 0 (one-token kernels) below the switch point,
+        else wide_mode."""
+        return self.wide_mode if self.wide_rows is not None and width >= self.wide_rows else 0
+
     def __call__(self, x: Tensor, cache_k: Tensor, cache_v: Tensor,
                  shared: tuple[Tensor, Tensor, Tensor, Tensor, Tensor | None]) -> Tensor:
         cos, sin, pos, mask, cache_rows = shared  # cache_rows: the cache rows of x's rows (None: 0..B-1)
-        wide = self.wide_mode if self.wide_rows is not None and x.shape[1] >= self.wide_rows else 0
         return self.kernels.layer_step(x, self.norm1, self.norm2, self.eps, self.weights, self.lora_a, self.lora_b,
-                                       self.slices, self.int8, wide, self.heads, self.kv_heads, cos, sin, cache_k,
-                                       cache_v, pos, mask, self.qkv_bias, cache_rows)
+                                       self.slices, self.int8, self.wide(x.shape[1]), self.heads, self.kv_heads, cos,
+                                       sin, cache_k, cache_v, pos, mask, self.qkv_bias, cache_rows)
 
 
 class LayerSteps(list):
@@ -59,7 +63,6 @@ class LayerSteps(list):
     def __init__(self, steps: list[LayerStep]):
         super().__init__(steps)
         s = steps[0]
-        self.max_width = s.max_width
         self.stack = s.kernels.LayerStack([t.norm1 for t in steps], [t.norm2 for t in steps], s.eps,
                                           [t.weights for t in steps], [t.lora_a for t in steps],
                                           [t.lora_b for t in steps], [t.slices for t in steps],
@@ -68,6 +71,8 @@ class LayerSteps(list):
     def __call__(self, x: Tensor, cache_k: Tensor, cache_v: Tensor,
                  shared: tuple[Tensor, Tensor, Tensor, Tensor, Tensor | None]) -> Tensor:
         """x through every layer; cache_k / cache_v: the KV cache's [layers, B, kv_heads, len, D]."""
-        s = self[0]
-        wide = s.wide_mode if s.wide_rows is not None and x.shape[1] >= s.wide_rows else 0
-        return self.stack.forward(x, wide, cache_k, cache_v, *shared)
+        return self.stack.forward(x, self[0].wide(x.shape[1]), cache_k, cache_v, *shared)
+
+    @property
+    def max_width(self) -> int:
+        return self[0].max_width
