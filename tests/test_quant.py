@@ -417,6 +417,33 @@ def test_one_call_layer_step_matches_the_eager_layers(monkeypatch):
                 assert err < (tol_wide if fused.shape[1] >= model.steps[0].wide_rows else tol_narrow), \
                     (switch, wide_act, fused.shape, err)
     monkeypatch.delenv("FASTDLLM_WIDE_ACTIVATIONS")
+    # The switch point (the default engine): a forward of exactly wide_rows positions runs the wide products, one
+    # position fewer the one-token ones; the one-call stack of every layer gives what the layers' own steps give,
+    # called one by one, on both sides of the switch (the stack takes its mode from the same rule)
+    model, steps = q.lm.dllm, q.lm.dllm.steps
+    step = steps[0]
+    assert step.wide_mode != 0 and step.wide(step.wide_rows) == step.wide_mode and step.wide(step.wide_rows - 1) == 0
+
+    class OneByOne:
+        max_width = steps.max_width
+
+        def __call__(self, x, cache_k, cache_v, shared):
+            for i, s in enumerate(steps):
+                x = s(x, cache_k[i], cache_v[i], shared)
+            return x
+
+    ids = torch.randint(0, 2000, (1, 40), generator=torch.Generator().manual_seed(9))
+    pos = torch.arange(40)[None]
+    with torch.inference_mode():
+        outs = []
+        for via in (steps, OneByOne()):
+            model.steps = via
+            cache = KVCache(model.cfg, 1, 64, torch.device("cpu"), torch.float32)
+            model(ids[:, :32], pos[:, :32], cache=cache, start=0, causal=True)
+            outs += [model(ids[:, 32:32 + w], pos[:, 32:32 + w], cache=cache, start=32, causal=True)
+                     for w in (step.wide_rows - 1, step.wide_rows)]
+        model.steps = steps
+    assert all(torch.equal(a, b) for a, b in zip(outs[:2], outs[2:]))
     # The engine's key counts are whole 32-key quanta; the step also takes any count: 75 keys (a partial last
     # 16-key tile) give exactly what the same keys padded to 80 with the extra 5 masked give.
     m = q.lm.dllm
