@@ -20,6 +20,7 @@ MAX_NEW_TOKENS_LIMIT = 4096
 MAX_REPETITION_PENALTY = 10.0
 MAX_FREQ_PRES_PENALTY = 2.0
 MAX_NO_REPEAT_NGRAM = 64
+MAX_TOP_LOGPROBS = 20  # alternatives per answer token (vLLM's default --max-logprobs; OpenAI chat allows 20)
 
 
 class ConfigError(ValueError):
@@ -101,6 +102,9 @@ class DecodeConfig:
     # Diffusion: commit nothing right of the leftmost candidate whose best token is the stop token (those
     # positions are discarded if the stop is committed). Off: the paper's rule, token for token.
     stop_guard: bool = False
+    # Keep, for every committed token, the k most likely tokens of the distribution it was committed from (the
+    # server's top_logprobs; Token.top). 0: none, nothing computed.
+    top_logprobs: int = 0
 
     def validate(self) -> "DecodeConfig":
         """Raise ConfigError naming the first field outside its allowed values."""
@@ -146,6 +150,9 @@ class DecodeConfig:
         if not is_int(self.no_repeat_ngram_size) or not 0 <= self.no_repeat_ngram_size <= MAX_NO_REPEAT_NGRAM:
             raise ConfigError("no_repeat_ngram_size", f"must be an integer in [0, {MAX_NO_REPEAT_NGRAM}] (0 = off) "
                                                       f"(got {self.no_repeat_ngram_size!r})")
+        if not is_int(self.top_logprobs) or not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise ConfigError("top_logprobs", f"must be an integer in [0, {MAX_TOP_LOGPROBS}] (0 = none) "
+                                              f"(got {self.top_logprobs!r})")
         if not isinstance(self.stop_guard, bool):
             raise ConfigError("stop_guard", f"must be true or false (got {self.stop_guard!r})")
         if not all(is_int(t) and t >= 0 for t in self.stop_token_ids):

@@ -253,7 +253,8 @@ class Driver:
     def _rows(dec: Decoder, ts: list[Ticket]) -> list[Row]:
         rows = dec.new_rows([t.ids for t in ts], indices=[0] * len(ts), max_new=[t.cfg.max_new_tokens for t in ts],
                             listeners=[t.on_event for t in ts], cancels=[t.stop for t in ts],
-                            penalties=[Penalties.of(t.cfg) for t in ts], seeds=[t.cfg.seed for t in ts])
+                            penalties=[Penalties.of(t.cfg) for t in ts], seeds=[t.cfg.seed for t in ts],
+                            tops=[t.cfg.top_logprobs for t in ts])
         for t, r in zip(ts, rows):
             t.row = r
         return rows

@@ -17,6 +17,9 @@ class Token:
     id: int
     text: str
     conf: float
+    # top_logprobs > 0 (committed tokens only): the k most likely tokens of the distribution this one was committed
+    # from, (id, text, natural-log probability), most likely first; not written to traces
+    top: list[tuple[int, str, float]] | None = None
 
 
 @dataclass(slots=True)

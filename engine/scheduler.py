@@ -36,11 +36,11 @@ def not_started() -> Summary:
 
 
 def batch_key(cfg: DecodeConfig) -> tuple:
-    """Requests with equal keys share forwards: every setting but the per-row answer cap, repetition knobs and
-    seed (Decoder.new_rows takes them row by row; each row samples from its own generator)."""
+    """Requests with equal keys share forwards: every setting but the per-row answer cap, repetition knobs, seed
+    and top_logprobs (Decoder.new_rows takes them row by row; each row samples from its own generator)."""
     return astuple(replace(cfg, max_new_tokens=1, seed=None,
                            repetition_penalty=1.0, frequency_penalty=0.0, presence_penalty=0.0,
-                           no_repeat_ngram_size=0))
+                           no_repeat_ngram_size=0, top_logprobs=0))
 
 
 @dataclass(eq=False)

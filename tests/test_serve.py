@@ -151,7 +151,7 @@ def test_denoise_events_stream_draws_the_live_view(api):
     ({"seed": -3}, "seed", "[0, 2^63)"),
     ({"n": 0}, "n", "[1, 16]"),
     ({"presence_penalty": 2.5}, "presence_penalty", "[-2, 2]"),
-    ({"top_logprobs": 3}, "top_logprobs", "only 0"),
+    ({"top_logprobs": 21, "logprobs": True}, "top_logprobs", "[0, 20]"),
     ({"stop": [""]}, "stop", "non-empty"),
     ({"denoise_events": "yes"}, "denoise_events", "true or false"),
     ({"stream": 1}, "stream", "true or false"),

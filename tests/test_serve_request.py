@@ -276,9 +276,9 @@ def test_echo_rules(engine):
         says(refused(engine, {"echo": True, **extra}, chat=False), "echo: only with n = 1 and without stream", "echo")
     assert ok(engine, False, echo=False, n=2, stream=True).echo is False
     says(refused(engine, {"echo": 1}, chat=False), "echo: must be true or false (got 1)", "echo")
-    for v in (6, -1, True, 1.0):
-        says(refused(engine, {"echo": True, "logprobs": v}, chat=False), "logprobs: with echo, an integer in [0, 5] "
-             f"(alternatives for the prompt's tokens) (got {v!r})", "logprobs")
+    for v in (21, -1, True, 1.0):
+        says(refused(engine, {"echo": True, "logprobs": v}, chat=False), "logprobs: an integer in [0, 20], the "
+             f"alternatives kept per token (0: each token's own log-probability only) (got {v!r})", "logprobs")
 
 
 def test_logprobs_rules(engine):
@@ -287,15 +287,23 @@ def test_logprobs_rules(engine):
     for v in (1, "true", 0):
         says(refused(engine, {"logprobs": v}), f"logprobs: must be true or false (got {v!r})", "logprobs")
     r = ok(engine, False, logprobs=0)
-    assert (r.logprobs, r.top) == (True, 0)
-    for v in (1, True, -1, 0.0):
-        says(refused(engine, {"logprobs": v}, chat=False), "logprobs: only 0 (each answer token's own log-probability; "
-             f"alternatives only for the prompt's tokens, with echo) (got {v!r})", "logprobs")
-    for chat in (True, False):
-        assert ok(engine, chat, top_logprobs=0).top == 0
-        for v in (3, True, 0.0, -1):
-            says(refused(engine, {"top_logprobs": v}, chat=chat), "top_logprobs: only 0; the engine keeps each answer "
-                 f"token's own probability, not the alternatives (got {v!r})", "top_logprobs")
+    assert (r.logprobs, r.top, r.cfg.top_logprobs) == (True, 0, 0)
+    r = ok(engine, False, logprobs=20)  # completions: the count of alternatives, vLLM's limit
+    assert (r.logprobs, r.top, r.cfg.top_logprobs) == (True, 20, 20)
+    for v in (21, True, -1, 0.0):
+        says(refused(engine, {"logprobs": v}, chat=False), "logprobs: an integer in [0, 20], the alternatives kept "
+             f"per token (0: each token's own log-probability only) (got {v!r})", "logprobs")
+    r = ok(engine, logprobs=True, top_logprobs=3)  # chat: logprobs on, top_logprobs the count
+    assert (r.logprobs, r.top, r.cfg.top_logprobs) == (True, 3, 3)
+    assert ok(engine, logprobs=False, top_logprobs=0).cfg.top_logprobs == 0
+    for v in (21, True, 0.0, -1):
+        says(refused(engine, {"logprobs": True, "top_logprobs": v}), f"top_logprobs: must be an integer in [0, 20] "
+             f"(got {v!r})", "top_logprobs")
+    for off in ({}, {"logprobs": False}):
+        says(refused(engine, {"top_logprobs": 2, **off}), "top_logprobs: needs logprobs: true", "top_logprobs")
+    assert ok(engine, False, top_logprobs=0).top == 0
+    says(refused(engine, {"top_logprobs": 2, "logprobs": 1}, chat=False), "top_logprobs: a chat parameter; "
+         "completions take the number of alternatives as logprobs, an integer in [0, 20] (got 2)", "top_logprobs")
 
 
 def test_stop_strings(engine):

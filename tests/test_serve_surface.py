@@ -382,6 +382,31 @@ def test_logprobs_are_the_committed_confidences(tc, engine):
         if ch.startswith("data: {") for c in json.loads(ch[6:])["choices"] for t in (c.get("logprobs") or {}).get(
             "content", []))
     assert streamed == texts["ar"]  # streamed logprobs follow the text, chunk by chunk
-    is_openai_error(tc.post("/v1/completions", json={"model": name, "prompt": "x", "logprobs": 5}), 400, "logprobs")
+    is_openai_error(tc.post("/v1/completions", json={"model": name, "prompt": "x", "logprobs": 21}), 400, "logprobs")
     is_openai_error(tc.post("/v1/chat/completions", json={"model": name, "messages": HI, "logprobs": True,
-                                                          "top_logprobs": 2}), 400, "top_logprobs")
+                                                          "top_logprobs": 21}), 400, "top_logprobs")
+
+
+@pytest.mark.parametrize("mode", ["ar", "diffusion"])
+def test_top_logprobs_list_the_distribution_each_token_was_committed_from(tc, engine, mode):
+    """Chat's top_logprobs and completions' logprobs count (vLLM's shapes): greedy, the committed token is the
+    first alternative with its own logprob; the rest follow in order, the mask token never among them; streamed
+    chunks carry the same alternatives as the whole answer."""
+    name = engine.lm.name
+    body = {"model": name, "messages": HI, "max_tokens": 6, "logprobs": True, "top_logprobs": 3, "mode": mode}
+    r = tc.post("/v1/chat/completions", json=body).json()
+    content = r["choices"][0]["logprobs"]["content"]
+    assert "".join(x["token"] for x in content) == r["choices"][0]["message"]["content"] and content
+    for x in content:
+        top = x["top_logprobs"]
+        assert len(top) == 3 and top[0]["token"] == x["token"] and top[0]["logprob"] == x["logprob"]
+        assert [t["logprob"] for t in top] == sorted((t["logprob"] for t in top), reverse=True)
+        assert all(bytes(t["bytes"]).decode() == t["token"] and t["token"] != "|<MASK>|" for t in top)
+    streamed = [x for ch in tc.post("/v1/chat/completions", json={**body, "stream": True}).text.split("\n\n")
+                if ch.startswith("data: {") for c in json.loads(ch[6:])["choices"]
+                for x in (c.get("logprobs") or {}).get("content", [])]
+    assert streamed == content
+    c = tc.post("/v1/completions", json={"model": name, "prompt": "One, two,", "max_tokens": 4, "logprobs": 2,
+                                         "mode": mode}).json()["choices"][0]["logprobs"]
+    for tok, v, top in zip(c["tokens"], c["token_logprobs"], c["top_logprobs"]):
+        assert len(top) == 2 and top[tok] == v == max(top.values())  # greedy: the token itself is the best

@@ -10,6 +10,7 @@ from ..model import KVCache, causal_mask, wide_calls
 from .base import Decoder
 from .rows import Batch
 from ..events import Token
+from ..sampling import row_alternatives
 
 SHARED_PREFIX_MIN = 16  # AR prefill: a common prompt prefix this long gets its own one-row forward (see _prefill_rows)
 
@@ -65,14 +66,16 @@ class ARDecoder(Decoder):
 
     def _commit_ar(self, batch: Batch, logits: Tensor, kind: str) -> None:
         nxt = [[r.prompt_len + r.emitted_ar] for r in batch.rows]
-        tok, conf = self._sample(self._penalised(batch.rows, logits[:, -1:], nxt)[:, 0], batch.rows)
+        lg = self._penalised(batch.rows, logits[:, -1:], nxt)[:, 0]
+        tok, conf = self._sample(lg, batch.rows)
+        alts = row_alternatives(lg, [r.top for r in batch.rows], self.cfg.temperature, self.cfg.top_p)
         writes: list[tuple[int, int, int]] = []
         for b, (r, t, c) in enumerate(zip(batch.rows, *self._to_host(tok, conf))):
             r.nfe += 1
             q = r.prompt_len + r.emitted_ar
             r.emitted_ar += 1
             committed: list[Token] = []
-            self._commit(r, q, t, c, committed)
+            self._commit(r, q, t, c, committed, self._top(alts, b, 0, r.top))
             writes.append((b, q, t))
             self._emit(kind, r, -1, committed, [])
             if r.stop_at is not None:

@@ -68,6 +68,12 @@ class Decoder:
                 tok[b, k:], conf[b, k:] = sample(logits[b, k:] / self.cfg.temperature, 0.0, 1.0, None)
         return tok, conf
 
+    def _top(self, alts: list | None, b: int, j: int, k: int) -> list | None:
+        """Row b's alternatives at position j (sampling.row_alternatives, after _sample) as Token.top."""
+        if alts is None or alts[b] is None:
+            return None
+        return [(t, self.tb.piece(t), v) for t, v in zip(alts[b][0][j][:k], alts[b][1][j][:k])]
+
     def _generator(self, seed: int | None) -> torch.Generator | None:
         if self.cfg.temperature <= 0:
             return None  # greedy never draws
@@ -134,11 +140,11 @@ class Decoder:
             both = torch.tensor([b * width + q for b, q, _ in writes] + [t for _, _, t in writes], device=seq.device)
             seq.view(-1).scatter_(0, both[:n], both[n:])
 
-    def _commit(self, row: Row, q: int, tok: int, conf: float, out: list[Token]) -> None:
+    def _commit(self, row: Row, q: int, tok: int, conf: float, out: list[Token], top: list | None = None) -> None:
         row.answer[q - row.prompt_len] = tok
         if row.ngrams is not None:
             row.ngrams.add(q, tok)
-        out.append(Token(q - row.prompt_len, tok, self.tb.piece(tok), conf))
+        out.append(Token(q - row.prompt_len, tok, self.tb.piece(tok), conf, top))
         if tok in self.stop_ids and (row.stop_at is None or q < row.stop_at):
             row.stop_at = q
         if q == row.prompt_len:  # TTFT: the first answer token, the one streaming text can start with
@@ -224,10 +230,12 @@ class Decoder:
     def new_rows(self, prompts: list[list[int]], *, indices: list[int] | None = None,
                  max_new: list[int] | None = None, listeners: list[Listener | None] | None = None,
                  cancels: list[Cancel | None] | None = None,
-                 penalties: list[Penalties] | None = None, seeds: list[int | None] | None = None) -> list[Row]:
+                 penalties: list[Penalties] | None = None, seeds: list[int | None] | None = None,
+                 tops: list[int] | None = None) -> list[Row]:
         """Fresh rows for prompts; a scheduler gives each its own index (event.row), answer cap, listener, stop
-        flag, repetition knobs and sampling seed (the rest of the DecodeConfig is the batch's). Without seeds, row i
-        is seeded with the DecodeConfig's seed + i. A row's samples do not depend on what it is batched with."""
+        flag, repetition knobs, sampling seed and top_logprobs (the rest of the DecodeConfig is the batch's).
+        Without seeds, row i is seeded with the DecodeConfig's seed + i. A row's samples do not depend on what it
+        is batched with."""
         t0, skip = time.perf_counter(), self.stop_ids | self.tb.special
         caps = max_new or [self.cfg.max_new_tokens] * len(prompts)
         pens = penalties or [Penalties.of(self.cfg)] * len(prompts)
@@ -238,7 +246,7 @@ class Decoder:
                     [None] * caps[i], t0=t0, listener=listeners[i] if listeners else None,
                     cancel=cancels[i] if cancels else None, prompt=list(p), pen=pens[i],
                     ngrams=NgramIndex(pens[i].no_repeat_ngram, p, len(p) + caps[i]) if pens[i].no_repeat_ngram else None,
-                    gen=self._generator(seeds[i]))
+                    gen=self._generator(seeds[i]), top=tops[i] if tops else self.cfg.top_logprobs)
                 for i, p in enumerate(prompts)]
 
     def _max_len(self, rows: list[Row]) -> int:

@@ -16,7 +16,7 @@ from torch import Tensor
 from ..config import DecodeConfig
 from ..events import Token
 from ..model import block_causal_mask
-from ..sampling import select_commits
+from ..sampling import row_alternatives, select_commits
 from .base import Decoder
 from .rows import Batch, Row
 
@@ -238,8 +238,9 @@ class DiffusionDecoder(Decoder):
         cfg, bs, sbs = self.cfg, self.cfg.block_size, self.cfg.sub_block_size
         at = at if at is not None else list(range(len(rows)))
         kinds = [kinds] * len(rows) if isinstance(kinds, str) else kinds
-        tok, conf = self._sample(self._penalised(rows, logits, targets), rows,
-                                 [self._draws(r, k, t) for r, k, t in zip(rows, kinds, targets)])
+        logits = self._penalised(rows, logits, targets)
+        tok, conf = self._sample(logits, rows, [self._draws(r, k, t) for r, k, t in zip(rows, kinds, targets)])
+        alts = row_alternatives(logits, [r.top for r in rows], cfg.temperature, cfg.top_p)
         tok_l, conf_l = self._to_host(tok, conf)
         writes: list[tuple[int, int, int]] = []
         for b, (r, kind, tq) in enumerate(zip(rows, kinds, targets)):
@@ -248,7 +249,7 @@ class DiffusionDecoder(Decoder):
             n_writes = len(writes)
             if kind == "commit":
                 if tq:  # the clean block's last logit gives the next block's first token
-                    self._commit(r, tq[0], tok_l[b][0], conf_l[b][0], committed)
+                    self._commit(r, tq[0], tok_l[b][0], conf_l[b][0], committed, self._top(alts, b, 0, r.top))
                     writes.append((at[b], tq[0], tok_l[b][0]))
                 r.block_start += bs
                 r.refreshed_sub = -1
@@ -269,7 +270,7 @@ class DiffusionDecoder(Decoder):
                 masked: list[Token] = []
                 for j, q in enumerate(tq):
                     if j < n_sub and chosen[j]:
-                        self._commit(r, q, tok_l[b][j], conf_l[b][j], committed)
+                        self._commit(r, q, tok_l[b][j], conf_l[b][j], committed, self._top(alts, b, j, r.top))
                         writes.append((at[b], q, tok_l[b][j]))
                     elif self._listening(r):
                         t = tok_l[b][j]

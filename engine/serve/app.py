@@ -10,7 +10,8 @@ adds NFE, tokens per forward and engine seconds; `denoise_events: true` streams 
 Around the routes: GET /health, GET /metrics (Prometheus text), an optional API key (Bearer), optional CORS, one
 JSON log line per request on the "engine.serve" logger, and every error in OpenAI's shape
 {"error": {"message", "type", "param", "code"}}, unknown routes and wrong methods included. `n` > 1 runs n rows (seeds
-seed + i); `logprobs` serves each answer token's committed confidence, logged; `echo` (completions) returns the
+seed + i); `logprobs` serves each answer token's committed probability and `top_logprobs` the most likely tokens of
+the distribution it was committed from (Token.top); `echo` (completions) returns the
 prompt scored by engine/likelihood.py, which with /tokenizer_info and /detokenize lets lm-eval's own OpenAI client
 score log-likelihood tasks against the server (docs/serving.md).
 """
@@ -231,7 +232,7 @@ def create_app(engine: Engine, scheduler: Driver, model_id: str | None = None, *
         _finished(request, results, reasons)
         out_choices = []
         for c, reason in zip(choices, reasons):
-            lp = _logprobs_json(req.chat, c.take()) if req.logprobs else None
+            lp = _logprobs_json(req.chat, c.take(), req.top) if req.logprobs else None
             if echo is not None:  # the prompt before the answer; its tokens scored, the first one without a context
                 ptext, ptoks, scored = echo
                 c.text = ptext + c.text
@@ -250,7 +251,7 @@ def create_app(engine: Engine, scheduler: Driver, model_id: str | None = None, *
         obj = "chat.completion.chunk" if req.chat else "text_completion"
 
         def chunk(c: Choice, text: str | None, reason: str | None = None, **extra: Any) -> str:
-            lp = _logprobs_json(req.chat, c.take()) if req.logprobs else None
+            lp = _logprobs_json(req.chat, c.take(), req.top) if req.logprobs else None
             if req.chat:
                 delta = {} if text is None else {"content": text}
                 choice = {"index": c.index, "delta": delta, "logprobs": lp, "finish_reason": reason}

@@ -6,14 +6,13 @@ from typing import Any
 
 from fastapi.responses import JSONResponse
 
-from ..config import ConfigError, DecodeConfig
+from ..config import MAX_TOP_LOGPROBS, ConfigError, DecodeConfig
 from ..engine import Engine
 from ..weights import MASK_TOKEN
 
 KNOBS = ("mode", "block_size", "sub_block_size", "threshold", "strategy", "factor", "cache", "stop_guard")
 PENALTIES = ("frequency_penalty", "presence_penalty", "repetition_penalty", "no_repeat_ngram_size")
 MAX_N = 16  # choices per request (n): each is a scheduler row
-MAX_TOP_LOGPROBS = 5  # OpenAI's limit for completions' logprobs
 MAX_ECHO_DIFFUSION_TOKENS = 512  # echo + logprobs under diffusion: one forward per prompt token (engine/likelihood.py)
 MAX_PROMPT_CHARS = 200_000  # tokenising is cheap, not free: bound it before the context check
 MAX_BODY_BYTES = 8 << 20  # a request body larger than this gets 413 before it is parsed
@@ -169,6 +168,8 @@ def parse(body: Any, chat: bool, engine: Engine, model_id: str) -> ApiRequest:
             knobs[k] = body[k]
     if body.get(name) is not None:
         knobs["max_new_tokens"] = body[name]
+    if logprobs and top:
+        knobs["top_logprobs"] = top
     try:
         cfg = engine.decode_config(**knobs)
         if cfg.mode == "diffusion" and not engine.can_diffuse:
@@ -192,29 +193,30 @@ def parse(body: Any, chat: bool, engine: Engine, model_id: str) -> ApiRequest:
 
 
 def _logprobs(body: dict[str, Any], chat: bool, echo: bool = False) -> tuple[bool, int]:
-    """(logprobs on, top alternatives). Chat: logprobs true/false and top_logprobs; completions: logprobs as a count.
-    The decoder keeps each answer token's own probability, not the alternatives, so answers get 0 alternatives; with
-    echo the prompt's tokens are scored afresh (engine/likelihood.py) and get up to MAX_TOP_LOGPROBS."""
-    top = body.get("top_logprobs")
-    if top is not None and (type(top) is not int or top != 0):
-        raise ApiError(400, f"top_logprobs: only 0; the engine keeps each answer token's own probability, not the "
-                            f"alternatives (got {_show(top)})", "top_logprobs")
-    v = body.get("logprobs")
+    """(logprobs on, alternatives per token), with vLLM's names and limit: chat takes logprobs true/false and
+    top_logprobs in [0, MAX_TOP_LOGPROBS] (only with logprobs true); completions take logprobs as that count (OpenAI
+    allows 5, vLLM 20), which with echo covers the prompt's tokens too (scored afresh by engine/likelihood.py)."""
+    v, top = body.get("logprobs"), body.get("top_logprobs")
+    if chat:
+        if v is not None and not isinstance(v, bool):
+            raise ApiError(400, f"logprobs: must be true or false (got {_show(v)})", "logprobs")
+        if top is None:
+            return bool(v), 0
+        if type(top) is not int or not 0 <= top <= MAX_TOP_LOGPROBS:
+            raise ApiError(400, f"top_logprobs: must be an integer in [0, {MAX_TOP_LOGPROBS}] (got {_show(top)})",
+                           "top_logprobs")
+        if top and not v:
+            raise ApiError(400, "top_logprobs: needs logprobs: true", "top_logprobs")
+        return bool(v), top
+    if top is not None and top != 0:
+        raise ApiError(400, f"top_logprobs: a chat parameter; completions take the number of alternatives as "
+                            f"logprobs, an integer in [0, {MAX_TOP_LOGPROBS}] (got {_show(top)})", "top_logprobs")
     if v is None:
         return False, 0
-    if chat:
-        if not isinstance(v, bool):
-            raise ApiError(400, f"logprobs: must be true or false (got {_show(v)})", "logprobs")
-        return v, 0
-    if echo:
-        if type(v) is not int or not 0 <= v <= MAX_TOP_LOGPROBS:
-            raise ApiError(400, f"logprobs: with echo, an integer in [0, {MAX_TOP_LOGPROBS}] (alternatives for the "
-                                f"prompt's tokens) (got {_show(v)})", "logprobs")
-        return True, v
-    if type(v) is not int or v != 0:
-        raise ApiError(400, f"logprobs: only 0 (each answer token's own log-probability; alternatives only for the "
-                            f"prompt's tokens, with echo) (got {_show(v)})", "logprobs")
-    return True, 0
+    if type(v) is not int or not 0 <= v <= MAX_TOP_LOGPROBS:
+        raise ApiError(400, f"logprobs: an integer in [0, {MAX_TOP_LOGPROBS}], the alternatives kept per token "
+                            f"(0: each token's own log-probability only) (got {_show(v)})", "logprobs")
+    return True, v
 
 
 def _token_ids(ids: list[int], engine: Engine) -> list[int]:

@@ -115,27 +115,38 @@ class Choice:
         return out
 
 
-def _logprobs_json(chat: bool, toks: list[tuple[Any, int]]) -> dict[str, Any]:
-    """OpenAI's logprobs object; logprob = ln(the confidence the token was committed with)."""
+def _logprobs_json(chat: bool, toks: list[tuple[Any, int]], top: int = 0) -> dict[str, Any]:
+    """OpenAI's logprobs object. logprob = ln(the probability the token was committed with, in the distribution it
+    was committed from: after the repetition knobs, temperature and top-p; vLLM's `processed_logprobs`); top > 0: the
+    top most likely tokens of that distribution (Token.top), where chat lists them and completions give a dict that
+    holds the token itself too, as vLLM writes it. The token's own entry among them carries the same value."""
     lp = [math.log(max(t.conf, 1e-45)) for t, _ in toks]
+
+    def alts(t: Any, own: float) -> list[tuple[str, float]]:
+        return [(s, own if i == t.id else v) for i, s, v in (t.top or [])]
+
     if chat:
-        return {"content": [{"token": t.text, "logprob": v, "bytes": list(t.text.encode("utf-8")), "top_logprobs": []}
+        return {"content": [{"token": t.text, "logprob": v, "bytes": list(t.text.encode("utf-8")),
+                             "top_logprobs": [{"token": s, "logprob": x, "bytes": list(s.encode("utf-8"))}
+                                              for s, x in alts(t, v)]}
                             for (t, _), v in zip(toks, lp)]}
-    return {"tokens": [t.text for t, _ in toks], "token_logprobs": lp, "top_logprobs": None,
+    tops = [{t.text: v, **dict(alts(t, v))} for (t, _), v in zip(toks, lp)] if top else None
+    return {"tokens": [t.text for t, _ in toks], "token_logprobs": lp, "top_logprobs": tops,
             "text_offset": [o for _, o in toks]}
 
 
 def _echo_logprobs(ptext: str, ptoks: list[str], scored: list[Any] | None, answer: dict[str, Any]) -> dict[str, Any]:
     """OpenAI's completions logprobs with echo: the prompt's tokens first (the first has no context: null), then
-    the answer's (their own probability only; alternatives are not kept)."""
+    the answer's; each top_logprobs dict holds the token itself and its alternatives (logprobs 0: itself only)."""
     offsets, at = [], 0
     for t in ptoks:
         offsets.append(at)
         at += len(t)
     plp = [None] + [lp for _, lp in (scored or [])[:len(ptoks) - 1]]
-    ptop = [None] + [dict(top) for top, _ in (scored or [])[:len(ptoks) - 1]]
+    ptop = [None] + [{t: lp, **dict(top)} for t, (top, lp) in zip(ptoks[1:], (scored or [])[:len(ptoks) - 1])]
+    atop = answer["top_logprobs"] or [{t: v} for t, v in zip(answer["tokens"], answer["token_logprobs"])]
     return {"tokens": ptoks + answer["tokens"], "token_logprobs": plp + answer["token_logprobs"],
-            "top_logprobs": ptop + [{t: v} for t, v in zip(answer["tokens"], answer["token_logprobs"])],
+            "top_logprobs": ptop + atop,
             "text_offset": offsets + [len(ptext) + o for o in answer["text_offset"]]}
 
 
