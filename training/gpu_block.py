@@ -56,7 +56,11 @@ SEED_DATA = "training/data/selfinstruct"
 DATA_SEED = 3  # Magpie rounds: seed 0 block 1, 1 block 2, 2 block 3
 DATA_ARGS = (f"--seed-from {SEED_DATA} --seed {DATA_SEED} --magpie 30000 --magpie-batch 1024 --batch-size 256 "
              "--max-new-tokens 256 --time-budget 300 --threads 6")
-TRAIN_ARGS = ("--answers finish --batch-size 64 --micro-batch 32 --max-len 512 --rank 32 --alpha 64 --lr 2e-4 "
+# Peak lr 5e-5, not block 3's 2e-4: p5's log (bench/results/gpu_h100_2026-11-27/log_p5.jsonl, loss-token weighted)
+# read 2.42 in its first 10 steps (lr <= 1e-4, epoch 1), 2.51 once lr reached 1.1-2e-4 (steps 11-20), 2.47-2.49 at the
+# peak and fell back only below ~6e-5 (2.41, 2.40 in epoch 2): the peak pushed the shipped adapter out of its minimum
+# and the block spent its steps coming back.
+TRAIN_ARGS = ("--answers finish --batch-size 64 --micro-batch 32 --max-len 512 --rank 32 --alpha 64 --lr 5e-5 "
               "--warmup-steps 20 --save-every-s 120 --threads 6")
 # ~1.36 steps of 64 a second beside the generator (block 3): 6.5 minutes ~ 530 steps; 20,545 answers kept by `finish`
 # at max-len 512 are 321 steps an epoch, so 1.6 epochs (514 steps) end the schedule inside the call.
