@@ -21,11 +21,8 @@ SPACES_MODEL = "Efficient-Large-Model/Fast_dLLM_v2_1.5B"
 # the paper's plain rule (the engine's default for API callers, which keeps bf16) long answers looped more
 # (bench/results/wide_int8/README.md).
 STUDIO_WIDE_ACTIVATIONS = "int8"
-# ... and its one-token (AR) steps' where FASTDLLM_ACTIVATIONS is unset: int8 too, as llama.cpp's Q8 activations. Every
-# product then reads the weights prepacked at load (no second copy): AR 1.4x faster on the bundled model, 1.8x at
-# Qwen2.5-1.5B's shape; the AR base's answers measured the same on the long sets and 3 of 309 short ones fewer right;
-# diffusion answers as with fp32 one-token steps (bench/results/prepack/README.md).
-STUDIO_ACTIVATIONS = "int8"
+# Its one-token (AR) steps take the engine's default int8 activations (engine/weights/int4.py DEFAULT_ACT), so with
+# int8 wide ones every product reads the weights prepacked at load, with no second copy (bench/results/prepack/).
 
 
 def default_model() -> str | None:
@@ -36,10 +33,9 @@ def default_model() -> str | None:
 
 
 def studio_runtime() -> Runtime:
-    """The environment's switches, with the studio's own defaults for the activations."""
+    """The environment's switches, with the studio's own default for the wide activations."""
     runtime = Runtime.from_env()
-    return dataclasses.replace(runtime, wide_activations=runtime.wide_activations or STUDIO_WIDE_ACTIVATIONS,
-                               activations=runtime.activations or STUDIO_ACTIVATIONS)
+    return dataclasses.replace(runtime, wide_activations=runtime.wide_activations or STUDIO_WIDE_ACTIVATIONS)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

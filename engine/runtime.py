@@ -55,7 +55,7 @@ class Runtime:
     threads: int | None = None  # FASTDLLM_THREADS: torch threads set at load (None: torch's default)
     weights: str = "int4+bf16"  # FASTDLLM_WEIGHTS: CPU weights (engine.weights.quant.MODES)
     int4_wide_rows: int | None = None  # FASTDLLM_INT4_WIDE_ROWS: where int4+bf16 switches to bf16 activations
-    # FASTDLLM_ACTIVATIONS: our 4-bit kernels' narrow activations, fp32 | int8 (None: fp32; the studio picks int8)
+    # FASTDLLM_ACTIVATIONS: our 4-bit kernels' narrow activations, fp32 | int8 (None: int8, engine.weights.int4.DEFAULT_ACT)
     activations: str | None = None
     # FASTDLLM_WIDE_ACTIVATIONS: our 4-bit kernels' wide activations, bf16 | int8 (None: bf16; the studio picks int8)
     wide_activations: str | None = None

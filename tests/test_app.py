@@ -409,10 +409,12 @@ def test_app_defaults(monkeypatch):
     monkeypatch.delenv("FASTDLLM_ACTIVATIONS", raising=False)
     assert main.studio_runtime().wide_activations == "int8" and Runtime.from_env().wide_activations is None
     assert WeightPolicy.of(main.studio_runtime()).wide_act == "int8" and WeightPolicy.of(Runtime.from_env()).wide_act == "bf16"
-    # and int8 one-token steps (every product int8: the prepacked weights only); the engine's stay fp32
+    # and the engine's default int8 one-token steps, so every product is int8 (the prepacked weights only); the
+    # engine's own default has int8 one-token steps beside bf16 wide ones
     monkeypatch.setenv("FASTDLLM_WEIGHTS", "int4+bf16")  # (the suite's engine runs fp32 weights)
-    assert main.studio_runtime().activations == "int8" and Runtime.from_env().activations is None
-    assert WeightPolicy.of(main.studio_runtime()).only_int8() and WeightPolicy.of(Runtime.from_env()).act == "fp32"
+    assert main.studio_runtime().activations is None and Runtime.from_env().activations is None
+    assert WeightPolicy.of(main.studio_runtime()).only_int8() and WeightPolicy.of(Runtime.from_env()).act == "int8"
+    assert not WeightPolicy.of(Runtime.from_env()).only_int8()
     monkeypatch.setenv("FASTDLLM_WIDE_ACTIVATIONS", "bf16")
     monkeypatch.setenv("FASTDLLM_ACTIVATIONS", "fp32")
     assert main.studio_runtime().wide_activations == "bf16" and main.studio_runtime().activations == "fp32"

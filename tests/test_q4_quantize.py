@@ -118,6 +118,7 @@ def test_qwen2_checkpoint_at_4bit_keeps_its_biases_and_head(tmp_path, tiny_fast_
     monkeypatch.setenv("FASTDLLM_CACHE", str(tmp_path / "cache"))
     monkeypatch.setenv("FASTDLLM_WEIGHTS", "int4+bf16")
     monkeypatch.setenv("FASTDLLM_INT4_WIDE_ROWS", "33")  # fp32 activations up to a block: the dense model's numbers
+    monkeypatch.setenv("FASTDLLM_ACTIVATIONS", "fp32")
     eng = Engine.load(str(path), device="cpu")
     model = eng.lm.base
     assert eng.lm.dllm is model and model.packed

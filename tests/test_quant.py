@@ -300,7 +300,7 @@ def test_default_engine_runs_the_gguf_4bit_weights_and_decodes_like_fp32(engine,
     q = Engine.load()
     assert q.lm.info["weights"] == "int4+bf16" and "int4+bf16 weights" in q.lm.banner()
     assert q.lm.info["kernels"] in q.lm.banner()
-    assert (q.lm.info["kernels"] == "ours (AVX-512 VNNI), fp32 activations (bf16 from 2 positions)") == HAS_OURS
+    assert (q.lm.info["kernels"] == "ours (AVX-512 VNNI), int8 activations (bf16 from 2 positions)") == HAS_OURS
     base, dllm = q.lm.base.model.layers[0].mlp.gate_up, q.lm.dllm.model.layers[0].mlp.gate_up
     assert isinstance(base, quant.Int4Linear) and base.lora is None and base.wide_rows == \
         (quant.OURS_WIDE_ROWS if HAS_OURS else quant.TORCH_WIDE_ROWS)
@@ -383,9 +383,15 @@ def test_one_call_layer_step_matches_the_eager_layers(monkeypatch):
     # The kernels themselves are checked row by row in test_wide_int8_kernels_on_the_interleave; here, that the
     # fused step runs them (wide_mode) and stays near the eager layers. The default (bf16) runs last: the engine the
     # answers below compare.
-    for switch, wide_act, tol_narrow, tol_wide in (("33", "bf16", 1e-4, 1e-4), (None, "int8", 3e-2, 1.2e-1),
-                                                   (None, "bf16", 5e-3, bf16_block_tol)):
+    # One-token steps: fp32 activations in the first three (exact up to a block with switch 33); the default (int8,
+    # the same kernel as int8 wide calls) in the last, whose narrow error is int8 rounding of the 31-wide prefill's
+    # K/V and of the step's own rows.
+    for switch, wide_act, act, tol_narrow, tol_wide in (("33", "bf16", "fp32", 1e-4, 1e-4),
+                                                        (None, "int8", "fp32", 3e-2, 1.2e-1),
+                                                        (None, "bf16", "fp32", 5e-3, bf16_block_tol),
+                                                        (None, "bf16", "", 3e-2, bf16_block_tol)):
         monkeypatch.setenv("FASTDLLM_WIDE_ACTIVATIONS", wide_act)
+        monkeypatch.setenv("FASTDLLM_ACTIVATIONS", act)
         if switch is None:
             monkeypatch.delenv("FASTDLLM_INT4_WIDE_ROWS", raising=False)
         else:
@@ -417,6 +423,7 @@ def test_one_call_layer_step_matches_the_eager_layers(monkeypatch):
                 assert err < (tol_wide if fused.shape[1] >= model.steps[0].wide_rows else tol_narrow), \
                     (switch, wide_act, fused.shape, err)
     monkeypatch.delenv("FASTDLLM_WIDE_ACTIVATIONS")
+    monkeypatch.delenv("FASTDLLM_ACTIVATIONS")
     # The switch point (the default engine): a forward of exactly wide_rows positions runs the wide products, one
     # position fewer the one-token ones; the one-call stack of every layer gives what the layers' own steps give,
     # called one by one, on both sides of the switch (the stack takes its mode from the same rule)
@@ -935,7 +942,12 @@ def test_prepacked_int8_copy_gives_the_interleaves_numbers(gguf, monkeypatch):
     assert torch.equal(outs[""], outs["0"])
     monkeypatch.setenv("FASTDLLM_INT8_PREPACK", "")
     monkeypatch.setattr(quant, "PREPACK_MAX_BYTES", 1 << 20)
-    assert Engine.load().lm.dllm.lm_head.core.pk is None  # over the budget: the per-call interleave
+    monkeypatch.setenv("FASTDLLM_ACTIVATIONS", "fp32")  # a second copy (fp32 one-token steps need the tiled one) ...
+    assert Engine.load().lm.dllm.lm_head.core.pk is None  # ... over the budget: the per-call interleave
+    monkeypatch.setenv("FASTDLLM_ACTIVATIONS", "int8")  # the default's int8 one-token steps beside bf16 wide ones
+    monkeypatch.setenv("FASTDLLM_WIDE_ACTIVATIONS", "bf16")
+    assert Engine.load().lm.dllm.lm_head.core.pk is None
+    monkeypatch.setenv("FASTDLLM_WIDE_ACTIVATIONS", "int8")
     # every product int8 (the studio's): the prepacked copy replaces the tiled one, whatever the size; the same
     # forwards, one-token ones included, as the per-call interleave on the tiled copy
     monkeypatch.setenv("FASTDLLM_ACTIVATIONS", "int8")

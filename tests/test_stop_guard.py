@@ -87,6 +87,7 @@ def test_every_studio_example_finishes_on_the_studios_own_engine(monkeypatch):
     import importlib.util
 
     from engine import Engine
+    from engine.weights.quant import WeightPolicy
 
     spec = importlib.util.spec_from_file_location("app_main", ROOT / "app.py")
     main = importlib.util.module_from_spec(spec)
@@ -95,9 +96,8 @@ def test_every_studio_example_finishes_on_the_studios_own_engine(monkeypatch):
         monkeypatch.delenv(name, raising=False)
     runtime = main.studio_runtime()
     assert runtime.wide_activations == main.STUDIO_WIDE_ACTIVATIONS == "int8"
-    assert runtime.activations == main.STUDIO_ACTIVATIONS == "int8"
     engine = Engine.load(runtime=runtime)
-    assert engine.lm.info["weights"] == "int4+bf16"
+    assert engine.lm.info["weights"] == "int4+bf16" and WeightPolicy.of(runtime).only_int8()
     _assert_examples_finish(engine)
 
 

@@ -50,7 +50,11 @@ ACTS = ("fp32", "int8")
 # 32-group (q4_i8w / q8_i8w: VNNI on a 16-output interleave built per call, engine/weights/csrc/wide_i8.cpp).
 WIDE_ACTS = ("bf16", "int8")
 DEFAULT_WIDE_ACT = "bf16"
-DEFAULT_ACT = "fp32"  # activations of our kernels' narrow calls (README: speed and greedy agreement of both)
+# Activations of our kernels' narrow calls (the one-token step): int8 per 32-group since 2026-11-28, as llama.cpp's Q8
+# activations, AR 1.4-1.5x faster on the bundled model; the AR base's answers measured as fp32's within noise (short
+# 153 vs 144 of 309 right, long sets 10 vs 12 complete of 20 and 10 vs 11 of 36 checkable right), the dLLM's the same
+# text (bench/results/int8_steps/). fp32 keeps the exact one-token step (FASTDLLM_ACTIVATIONS=fp32).
+DEFAULT_ACT = "int8"
 
 
 MAX_K = 20480  # engine/weights/csrc/q4.cpp's kMaxGroups groups of 32 (Qwen2.5-7B's MLP has 18944 inputs)

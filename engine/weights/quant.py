@@ -27,9 +27,10 @@ DEFAULT_MODE = "int4+bf16"
 # weights prepacked at load into the kernel's 16-output interleave (unless FASTDLLM_INT8_PREPACK says otherwise):
 # - when every product takes int8 activations (both switches int8, the studio's), that copy replaces the stored
 #   tiled one, which nothing reads then: no memory cost, whatever the model's size;
-# - otherwise (fp32 one-token steps beside int8 wide calls) it is a second copy, made when it is at most this many
+# - otherwise (int8 one-token steps beside bf16 wide calls, the engine's default; or fp32 one-token steps beside int8
+#   wide calls) it is a second copy, made when it is at most this many
 #   bytes: the bundled model's ~96 MB, yes (a 9-wide step 1.13-1.18x cheaper per projection, 1.45x in the head);
-#   Qwen2.5-1.5B's ~1 GB, no (issue 23's 2.5 GB peak RSS): its wide calls build the interleave per call.
+#   Qwen2.5-1.5B's ~1 GB, no (issue 23's 2.5 GB peak RSS): its int8 calls build the interleave per call.
 # bench/results/prepack/.
 PREPACK_MAX_BYTES = 512 << 20
 
