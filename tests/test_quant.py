@@ -500,9 +500,15 @@ def test_one_call_layer_step_matches_the_eager_layers(monkeypatch):
                 model(torch.tensor([[5]]), torch.tensor([[41]]), cache=cache, start=41, causal=True)
     finally:
         model.steps = saved
+    # Greedy tokens, fused against eager, on fp32 one-token steps: the C++ step and torch's eager ops (norms, rope,
+    # attention) round differently at 1e-7, which int8 activations (the default) can turn into a different int8 code
+    # and a flipped near-tie (an AR answer here diverged at token 6 under one thread); their closeness on int8 is the
+    # tolerance check above
+    monkeypatch.setenv("FASTDLLM_ACTIVATIONS", "fp32")
+    q = Engine.load()
     monkeypatch.setenv("FASTDLLM_FUSED", "0")
     eager = Engine.load()
-    assert eager.lm.base.steps is None and eager.lm.dllm.steps is None
+    assert eager.lm.base.steps is None and eager.lm.dllm.steps is None and q.lm.base.steps is not None
     for mode, cache in (("ar", "dual"), ("diffusion", "dual"), ("diffusion", "block"), ("diffusion", "none")):
         cfg = q.decode_config(mode=mode, cache=cache, max_new_tokens=24, temperature=0.0)
         for prompt in PROMPTS:
