@@ -122,3 +122,21 @@ def test_top_logprobs_range_is_checked():
     for v in (21, -1, True, 1.5):
         with pytest.raises(ConfigError, match=r"top_logprobs: must be an integer in \[0, 20\]"):
             DecodeConfig(top_logprobs=v).validate()
+
+
+@pytest.mark.parametrize("mode,cache", [("ar", "dual"), ("diffusion", "block")])
+def test_the_static_stepper_gives_the_same_alternatives(engine, mode, cache):
+    """On the static-shape path (CUDA graphs on a GPU; forced here on the CPU) the alternatives are read from the
+    stepper's logits the same way: the same tokens and alternatives as the dynamic path."""
+    from engine import Engine
+
+    p = ids(engine, "Name three colors.")
+    cfg = engine.decode_config(mode=mode, cache=cache, max_new_tokens=12, top_logprobs=3)
+    dynamic, ans = committed(engine, p, cfg)
+    eng = Engine(engine.lm, static=True)
+    assert eng.stepper(engine.lm.dllm if mode == "diffusion" else engine.lm.base) is not None
+    static, ans_s = committed(eng, p, cfg)
+    assert ans_s == ans
+    for a, b in zip(dynamic, static):
+        assert [i for i, _, _ in a.top] == [i for i, _, _ in b.top]
+        assert [v for *_, v in a.top] == pytest.approx([v for *_, v in b.top], abs=1e-4)
