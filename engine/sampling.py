@@ -40,10 +40,17 @@ def distribution(logits: Tensor, temperature: float, top_p: float) -> Tensor:
 def alternatives(logits: Tensor, temperature: float, top_p: float, k: int) -> tuple[Tensor, Tensor]:
     """The k most likely tokens of each position's commit distribution (the one `sample` draws from and reads
     confidence in): (ids, natural-log probabilities), most likely first. A token outside the top-p nucleus has
-    probability 0: its log-probability is LOGPROB_FLOOR, as vLLM writes it, not -inf (JSON has no infinity)."""
-    lp = distribution(logits, temperature, top_p).log().clamp_min(LOGPROB_FLOOR)
-    best = lp.topk(k, dim=-1)
-    return best.indices, best.values
+    probability 0: its log-probability is LOGPROB_FLOOR, as vLLM writes it, not -inf (JSON has no infinity); when
+    the nucleus holds fewer than k tokens, the next ones are the most likely outside it under the tempered
+    distribution (ranked, not drawn at random among equal floors)."""
+    probs = distribution(logits, temperature, top_p)
+    lp = probs.log().clamp_min(LOGPROB_FLOOR)
+    if temperature <= 0 or top_p >= 1.0:
+        best = lp.topk(k, dim=-1)
+        return best.indices, best.values
+    rank = torch.where(probs > 0, 2.0 + probs, torch.softmax(logits.float() / temperature, dim=-1))
+    idx = rank.topk(k, dim=-1).indices
+    return idx, lp.gather(-1, idx)
 
 
 LOGPROB_FLOOR = -9999.0

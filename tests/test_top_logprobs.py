@@ -7,13 +7,14 @@ import math
 from dataclasses import replace
 
 import pytest
+import torch
 
 from engine.config import ConfigError, DecodeConfig
 from engine.driver import Driver
 from engine.events import Token
 from engine.likelihood import token_logprobs
 from engine.scheduler import batch_key
-from engine.sampling import LOGPROB_FLOOR
+from engine.sampling import LOGPROB_FLOOR, alternatives
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 
@@ -115,6 +116,20 @@ def test_sampled_alternatives_are_the_nucleus(engine, mode):
             assert sum(math.exp(v) for _, v in inside) == pytest.approx(1.0, abs=1e-4)
             assert all(v == LOGPROB_FLOOR for i, _, v in t.top[len(inside):])
     assert cut > 0
+
+
+def test_outside_the_nucleus_the_next_most_likely_tokens_follow():
+    """softmax(5, 4, 3, 2, 1, -inf) = .636, .234, .086, .032, .012, 0: top_p 0.5 keeps token 0 alone (probability 1);
+    the alternatives after it are tokens 1 and 2 at LOGPROB_FLOOR, in the tempered order, not any floor token."""
+    logits = torch.tensor([[5.0, 4.0, 3.0, 2.0, 1.0, float("-inf")], [1.0, 5.0, 4.0, 3.0, 2.0, 0.0]])
+    ids_, lps = alternatives(logits, 1.0, 0.5, 3)
+    assert ids_.tolist() == [[0, 1, 2], [1, 2, 3]]
+    assert lps.tolist() == [[0.0, LOGPROB_FLOOR, LOGPROB_FLOOR]] * 2
+    ids_, lps = alternatives(logits, 1.0, 0.9, 4)  # 0.636 + 0.234 + 0.086 reaches 0.9: three in the nucleus
+    assert ids_[0].tolist() == [0, 1, 2, 3] and lps[0, 3] == LOGPROB_FLOOR
+    assert float(lps[0, :3].exp().sum()) == pytest.approx(1.0, abs=1e-6)
+    ids_, lps = alternatives(logits, 0.0, 1.0, 2)  # greedy: the plain softmax
+    assert ids_[0].tolist() == [0, 1] and lps[0].tolist() == pytest.approx(torch.log_softmax(logits[0], -1)[:2].tolist(), abs=1e-6)
 
 
 def test_top_logprobs_range_is_checked():
