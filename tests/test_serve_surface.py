@@ -187,6 +187,16 @@ def test_cors_only_for_allowed_origins(engine, sched, tc):
         assert r.status_code == 400 and "access-control-allow-origin" not in r.headers
 
 
+def test_streams_tell_a_reverse_proxy_not_to_buffer(tc, engine):
+    """nginx buffers a proxied response unless it carries X-Accel-Buffering: no; a buffered stream would reach the
+    client in one piece at the end (docs/serving.md, behind a reverse proxy)."""
+    body = {"model": engine.lm.name, "messages": HI, "mode": "ar", "max_tokens": 2}
+    r = tc.post("/v1/chat/completions", json={**body, "stream": True})
+    assert r.headers["content-type"].startswith("text/event-stream")
+    assert r.headers["x-accel-buffering"] == "no" and r.headers["cache-control"] == "no-cache"
+    assert "x-accel-buffering" not in tc.post("/v1/chat/completions", json=body).headers
+
+
 def test_one_json_log_line_per_request(tc, engine, logs):
     logs.clear()
     r = tc.post("/v1/chat/completions", json={"model": engine.lm.name, "messages": HI, "mode": "ar", "max_tokens": 2})

@@ -43,6 +43,10 @@ from .request import (FINISH, MAX_BODY_BYTES, MAX_ECHO_DIFFUSION_TOKENS, MAX_JSO
 from .response import Choice, LiveGroup, _echo_logprobs, _logprobs_json, usage
 from .surface import Metrics, Surface, log
 
+# Server-sent events pass through a reverse proxy as they are written: nginx buffers a response unless it says
+# X-Accel-Buffering: no (docs/serving.md, "Behind a reverse proxy")
+STREAM_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
 
 def create_app(engine: Engine, scheduler: Driver, model_id: str | None = None, *, api_key: str | None = None,
                allowed_origins: list[str] | tuple[str, ...] = ()) -> FastAPI:
@@ -175,7 +179,7 @@ def create_app(engine: Engine, scheduler: Driver, model_id: str | None = None, *
                 "model": model_id}
         if req.stream:
             return StreamingResponse(_stream(request, live, req, head, len(ids)), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache"})
+                                     headers=STREAM_HEADERS)
         echo = None
         if req.echo and req.logprobs and req.cfg.mode == "diffusion" and len(ids) > MAX_ECHO_DIFFUSION_TOKENS:
             raise ApiError(400, f"echo: scoring a prompt under block diffusion costs one forward per token; at most "
