@@ -131,7 +131,7 @@ def parse(body: Any, chat: bool, engine: Engine, model_id: str) -> ApiRequest:
     if type(n) is not int or not 1 <= n <= MAX_N:
         raise ApiError(400, f"n: must be an integer in [1, {MAX_N}] (got {_show(n)})", "n")
     echo = False if chat else _bool(body, "echo")
-    logprobs, top = _logprobs(body, chat, echo)
+    logprobs, top = _logprobs(body, chat)
     if echo and (n > 1 or _bool(body, "stream")):
         raise ApiError(400, "echo: only with n = 1 and without stream", "echo")
     known = set(KNOBS) | set(PENALTIES) | {"n", "logprobs", "top_logprobs", *(() if chat else ("echo",)),
@@ -192,7 +192,7 @@ def parse(body: Any, chat: bool, engine: Engine, model_id: str) -> ApiRequest:
                       events, _stops(body.get("stop")), name, body.get(name) is not None, n, logprobs, echo, top)
 
 
-def _logprobs(body: dict[str, Any], chat: bool, echo: bool = False) -> tuple[bool, int]:
+def _logprobs(body: dict[str, Any], chat: bool) -> tuple[bool, int]:
     """(logprobs on, alternatives per token), with vLLM's names and limit: chat takes logprobs true/false and
     top_logprobs in [0, MAX_TOP_LOGPROBS] (only with logprobs true); completions take logprobs as that count (OpenAI
     allows 5, vLLM 20), which with echo covers the prompt's tokens too (scored afresh by engine/likelihood.py)."""
