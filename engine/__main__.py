@@ -3,10 +3,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 from .config import CACHE_MODES, MODES, STRATEGIES, ConfigError, DecodeConfig
+from .events import Token
 from .weights import ModelSourceError
 from .scheduler import PREFILL_CHUNK
 from .runtime import Runtime
@@ -67,6 +70,17 @@ def _messages(system: str | None, history: list[dict[str, str]], prompt: str) ->
     return ([{"role": "system", "content": system}] if system else []) + history + [{"role": "user", "content": prompt}]
 
 
+def _logprobs(seen: dict[int, Token], n: int) -> list[dict]:
+    """The answer's tokens (through the stop token) with ln(probability) and alternatives, as --json prints them
+    (a token among its own alternatives carries the same value)."""
+    out = []
+    for t in (seen[p] for p in range(n)):
+        own = math.log(max(t.conf, 1e-45))
+        out.append({"token": t.text, "id": t.id, "logprob": own, "top_logprobs": [
+            {"token": s, "id": i, "logprob": own if i == t.id else v} for i, s, v in (t.top or [])]})
+    return out
+
+
 def _decode(engine, ids: list[int], cfg: DecodeConfig, **kw):
     """One prompt through the engine's scheduler, the front door the studio and the server use too (so the CLI's
     answer is theirs); Ctrl-C drops the row before the next forward."""
@@ -81,13 +95,20 @@ def _decode(engine, ids: list[int], cfg: DecodeConfig, **kw):
 def cmd_generate(a: argparse.Namespace) -> int:
     from .engine import Engine
 
-    DecodeConfig(**_settings(a)).validate()  # fail before loading weights
+    top = a.top_logprobs
+    DecodeConfig(**_settings(a), top_logprobs=top or 0).validate()  # fail before loading weights
     if not a.prompt.strip():
         raise ConfigError("prompt", "must not be empty")
+    if top is not None and not a.json:
+        raise ConfigError("top_logprobs", "needs --json (the log-probabilities are printed in it)")
     engine = Engine.load(a.model, a.device, a.dtype)
-    cfg = _config(engine, a)
+    cfg = replace(_config(engine, a), top_logprobs=top or 0)
     text = engine.chat_prompt(_messages(a.system, [], a.prompt))
-    stream = None if (a.json or a.quiet) else (lambda e: print(e.text_delta, end="", flush=True) if e.text_delta else None)
+    seen: dict[int, Token] = {}
+    if top is not None:  # committed tokens by answer position
+        stream = lambda e: seen.update({t.pos: t for t in e.committed})  # noqa: E731
+    else:
+        stream = None if (a.json or a.quiet) else (lambda e: print(e.text_delta, end="", flush=True) if e.text_delta else None)
     try:
         res = _decode(engine, engine.encode(text), cfg, listener=stream, record=bool(a.trace), prompt_text=a.prompt)
     finally:
@@ -103,7 +124,8 @@ def cmd_generate(a: argparse.Namespace) -> int:
                           "block_size": cfg.block_size, "sub_block_size": cfg.sub_block_size,
                           **{k: getattr(cfg, k) for k in ("repetition_penalty", "frequency_penalty",
                                                           "presence_penalty", "no_repeat_ngram_size")},
-                          "model": engine.lm.banner()}, ensure_ascii=False))
+                          "model": engine.lm.banner(), **({"logprobs": _logprobs(seen, s.answer_tokens)} if top is not None
+                                                          else {})}, ensure_ascii=False))
     else:
         if a.quiet:
             print(s.text)
@@ -191,6 +213,9 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--json", action="store_true", help="print one JSON object with text and measurements")
     g.add_argument("--trace", metavar="FILE", help="write the JSON trace (replayable in the studio)")
     g.add_argument("--quiet", action="store_true", help="print the answer at the end instead of streaming")
+    g.add_argument("--top-logprobs", type=int, default=None, metavar="K",
+                   help="with --json: each answer token's log-probability and the K (0-20) most likely tokens of the "
+                        "distribution it was committed from (the API's top_logprobs)")
     _decode_args(g)
     c = sub.add_parser("chat", help="multi-turn terminal chat")
     _decode_args(c)

@@ -132,6 +132,29 @@ def test_outside_the_nucleus_the_next_most_likely_tokens_follow():
     assert ids_[0].tolist() == [0, 1] and lps[0].tolist() == pytest.approx(torch.log_softmax(logits[0], -1)[:2].tolist(), abs=1e-6)
 
 
+def test_the_cli_prints_them_with_json(engine, monkeypatch, capsys):
+    """`python -m engine generate --json --top-logprobs K`: every answer token, through the stop token, with its
+    log-probability and K alternatives headed by itself (greedy); refused without --json and out of range."""
+    import json
+
+    from engine import Engine
+    from engine.__main__ import main
+
+    e = Engine(engine.lm)
+    monkeypatch.setattr(Engine, "load", classmethod(lambda cls, *a, **k: e))
+    args = ["generate", "--prompt", "Name three colors.", "--mode", "ar", "--max-new-tokens", "8"]
+    assert main([*args, "--json", "--top-logprobs", "3"]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert [x["id"] for x in out["logprobs"]] == out["token_ids"] and len(out["token_ids"]) == out["tokens"] > 0
+    for x in out["logprobs"]:
+        assert len(x["top_logprobs"]) == 3 and x["top_logprobs"][0] == {"token": x["token"], "id": x["id"],
+                                                                          "logprob": x["logprob"]}
+    assert main([*args, "--json"]) == 0
+    assert "logprobs" not in json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert main([*args, "--top-logprobs", "3"]) == 2 and "needs --json" in capsys.readouterr().err
+    assert main([*args, "--json", "--top-logprobs", "21"]) == 2 and "top_logprobs" in capsys.readouterr().err
+
+
 def test_top_logprobs_range_is_checked():
     assert DecodeConfig(top_logprobs=20).validate().top_logprobs == 20
     for v in (21, -1, True, 1.5):
