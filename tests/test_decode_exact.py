@@ -281,8 +281,10 @@ def test_ar_batch_equals_greedy_full_forwards(lengths):
     check_ar(log, drive(dec, prompts, dec.new_rows(prompts, max_new=caps)), model, prompts, caps, stops)
 
 
-def test_ar_shared_prompt_prefix_gets_one_forward_of_its_own(monkeypatch):
-    """Prompts sharing 16+ tokens: the prefix is prefilled once and copied to every row; answers as alone."""
+def test_ar_rows_of_unequal_length_are_prefilled_one_at_a_time(monkeypatch):
+    """An AR batch whose prompts differ in length prefills each row in the forward it gets alone (a padded forward
+    reads other key quanta, which the 4-bit default's wide activations turned into other answers); rows of one
+    length share a forward; every answer is its row's alone."""
     seed = 0
     model = tiny(seed)
     head = prompts_of(seed, (16,))[0]
@@ -291,16 +293,17 @@ def test_ar_shared_prompt_prefix_gets_one_forward_of_its_own(monkeypatch):
     cfg = DecodeConfig(mode="ar", max_new_tokens=10, stop_token_ids=tuple(stops)).validate()
     widths = []
     real = type(model).forward
-    monkeypatch.setattr(type(model), "forward", lambda self, ids, *a, **k: widths.append(tuple(ids.shape)) or
-                        real(self, ids, *a, **k))
-    dec = decoder_for(model, cfg, MASK, TB, listener=(log := Log()))
-    assert dec._shared_prefix(prompts, dec._new_cache(3, 40)) == 16 and dec._shared_prefix(prompts, None) == 0
-    assert dec._shared_prefix(prompts[:1], dec._new_cache(1, 40)) == 0
-    assert dec._shared_prefix([head[:15] + [1], head[:15] + [2]], dec._new_cache(2, 40)) == 0  # 15 < 16 shared
-    assert dec._shared_prefix([head, head + [1]], dec._new_cache(2, 40)) == 0  # every row keeps a token: 15 < 16
-    summaries = drive(dec, prompts)
-    assert widths[:2] == [(1, 16), (3, 3)]  # the prefix once, then each row's own tokens
-    check_ar(log, summaries, model, prompts, [10] * 3, stops)
+    monkeypatch.setattr(type(model), "forward", lambda self, ids, *a, **k: k.get("cache_rows") is None and
+                        widths.append(tuple(ids.shape)) or real(self, ids, *a, **k))
+    summaries = drive(decoder_for(model, cfg, MASK, TB), prompts)
+    assert widths[:4] == [(1, 18), (1, 17), (1, 19), (3, 1)]  # each prompt alone, then the batch's steps
+    widths.clear()
+    alone = [drive(decoder_for(model, cfg, MASK, TB), [p])[0] for p in prompts]
+    assert [s.token_ids for s in summaries] == [s.token_ids for s in alone]
+    assert widths[0] == (1, 18)
+    widths.clear()
+    drive(decoder_for(model, cfg, MASK, TB), [head + [5, 6], head + [7, 8]])
+    assert widths[:2] == [(2, 18), (2, 1)]  # one length: one forward
 
 
 # ------------------------------------------------------------------ sampling: per-row streams, tempered nucleus
@@ -346,6 +349,8 @@ def test_sampled_confidences_are_the_tempered_nucleus_and_rows_reproduce(mode):
     rec, log = Recorder(model), Log()
     dec = decoder_for(rec, cfg, MASK, TB, listener=log)
     summaries = drive(dec, prompts)
+    if mode == "ar":  # rows of unequal length are prefilled one at a time (ar.py): their logits as one batch's
+        rec.logits[:len(prompts)] = [torch.cat(rec.logits[:len(prompts)])]
     # one forward a step here (AR, or the block cache: every row's window is a whole block), every live row in it in
     # batch order: a row's event with nfe k is its row's slot in forward k - 1 among the rows that reached k forwards
     forwards = {i: sum(e.kind != "done" for e in log.by_row[i]) for i in range(len(prompts))}
@@ -674,7 +679,7 @@ def test_a_prefill_chunk_is_one_forward_of_its_positions_with_one_logit_row(mode
 
 def test_ar_forwards_take_the_shared_start_path_only_when_rows_agree(monkeypatch):
     """The AR forwards' arguments: rows at one position share a slice write (start) and no mask (causal prefill);
-    rows at different positions get per-row causal key masks; a shared prefix is one 1-row forward of it."""
+    rows of unequal prompt lengths are prefilled one at a time, then step with per-row causal key masks."""
     seed = 2
     model = tiny(seed)
     calls = []
@@ -682,6 +687,8 @@ def test_ar_forwards_take_the_shared_start_path_only_when_rows_agree(monkeypatch
 
     def spy(self, ids, pos, cache=None, **kw):
         out = real(self, ids, pos, cache, **kw)
+        if kw.get("cache_rows") is not None:  # a row prefilled in place: its inner forward is recorded
+            return out
         m = kw.get("mask")
         calls.append((tuple(ids.shape), kw.get("start"), kw.get("kv_len"), kw.get("causal"),
                       None if m is None else tuple(m.shape), tuple(out.shape[:2])))
@@ -693,10 +700,11 @@ def test_ar_forwards_take_the_shared_start_path_only_when_rows_agree(monkeypatch
     for prompts, want in (
             ([[1, 2, 3], [4, 5, 6]], [((2, 3), 0, 3, True, None, (2, 1)), ((2, 1), 3, 4, None, None, (2, 1)),
                                       ((2, 1), 4, 5, None, None, (2, 1))]),
-            ([[1, 2, 3], [4, 5]], [((2, 3), 0, 3, False, (2, 1, 3, 3), (2, 1)), ((2, 1), None, 4, None, (2, 1, 1, 4), (2, 1)),
+            ([[1, 2, 3], [4, 5]], [((1, 3), 0, 3, True, None, (1, 1)), ((1, 2), 0, 2, True, None, (1, 1)),
+                                   ((2, 1), None, 4, None, (2, 1, 1, 4), (2, 1)),
                                    ((2, 1), None, 5, None, (2, 1, 1, 5), (2, 1))]),
-            ([head + [1], head + [2, 3]], [((1, 16), 0, 16, True, None, (1, 1)),
-                                           ((2, 2), 16, 18, False, (2, 1, 2, 18), (2, 1))])):
+            ([head + [1], head + [2, 3]], [((1, 17), 0, 17, True, None, (1, 1)),
+                                           ((1, 18), 0, 18, True, None, (1, 1))])):
         calls.clear()
         drive(decoder_for(model, cfg, MASK, TB), prompts)
         assert calls[:len(want)] == want, prompts

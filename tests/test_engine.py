@@ -240,26 +240,31 @@ def test_batch_matches_single_rows(engine):
         assert [x.summary.nfe for x in batch] == [y.summary.nfe for y in single], (mode, cache)
 
 
-def test_ar_batch_prefills_the_shared_prompt_prefix_once(engine, monkeypatch):
-    """Chat prompts share the template's system turn: an AR batch prefills it in one 1-row forward, copies its K/V
-    to every row and prefills only the rows' own tokens; every row decodes exactly as it does alone."""
-    import os
+@pytest.mark.timeout(300)
+def test_ar_batch_answers_are_single_user_ones_on_the_4bit_default(monkeypatch):
+    """On the default 4-bit weights (bf16 wide and int8 one-token activations) a batch's greedy AR answers are the
+    single-user ones: prompts of unequal length are prefilled one at a time, in the forward each gets alone. A
+    padded batch prefill (and before it, a shared system turn prefilled once) read other key quanta and a longer
+    mask, and the wide activations turned those last-bit differences into other answers: two of these four
+    diverged at tokens 10 and 28."""
+    from engine import Engine
 
-    from engine import decode
-
-    ids = [engine.encode(engine.chat_prompt([{"role": "user", "content": p}])) for p in PROMPTS]
-    shared = len(os.path.commonprefix(ids))
-    assert shared >= decode.SHARED_PREFIX_MIN
-    cfg = engine.decode_config(mode="ar", max_new_tokens=12)
-    single = [engine.generate_ids([i], cfg, record=False)[0].summary for i in ids]
+    monkeypatch.delenv("FASTDLLM_WEIGHTS", raising=False)
+    q = Engine.load()
+    assert q.lm.info["weights"] == "int4+bf16"
+    prompts = ["List ten fruits.", "Solve step by step: a shop sells notebooks for 3 dollars each and pens for 2 "
+               "dollars each. How much do 4 notebooks and 5 pens cost in total?", "Name three colors.",
+               "Write a haiku about the sea."]
+    ids = [q.encode(q.chat_prompt([{"role": "user", "content": p}])) for p in prompts]
+    cfg = q.decode_config(mode="ar", max_new_tokens=32)
+    single = [q.generate_ids([i], cfg, record=False)[0].summary.token_ids for i in ids]
     widths: list[tuple[int, int]] = []
-    real = engine.lm.base.forward
-    monkeypatch.setattr(engine.lm.base, "forward", lambda ids_, *a, **k: widths.append(tuple(ids_.shape)) or
-                        real(ids_, *a, **k))
-    batch = [r.summary for r in engine.generate_ids(ids, cfg, record=False)]
-    assert widths[:2] == [(1, shared), (len(ids), max(map(len, ids)) - shared)], widths[:3]
-    assert [b.token_ids for b in batch] == [s.token_ids for s in single]
-    assert [b.text for b in batch] == [s.text for s in single]
+    real = q.lm.base.forward
+    monkeypatch.setattr(q.lm.base, "forward", lambda ids_, *a, **k: k.get("cache_rows") is None and
+                        widths.append(tuple(ids_.shape)) or real(ids_, *a, **k))
+    batch = [r.summary.token_ids for r in q.generate_ids(ids, cfg, record=False)]
+    assert batch == single
+    assert widths[:len(ids)] == [(1, len(i)) for i in ids]
 
 
 def test_per_row_top_p():

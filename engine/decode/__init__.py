@@ -7,12 +7,12 @@ from typing import Any
 from ..config import DecodeConfig
 from ..model import CausalLM
 from ..text import TokenBytes
-from .ar import SHARED_PREFIX_MIN, ARDecoder
+from .ar import ARDecoder
 from .base import Decoder
 from .rows import Batch, Cancel, Row
 from .diffusion import DiffusionDecoder
 
-__all__ = ["ARDecoder", "Batch", "Cancel", "Decoder", "DiffusionDecoder", "Row", "SHARED_PREFIX_MIN", "decoder_for",
+__all__ = ["ARDecoder", "Batch", "Cancel", "Decoder", "DiffusionDecoder", "Row", "decoder_for",
            "keeps_cache"]
 
 

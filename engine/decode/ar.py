@@ -1,8 +1,6 @@
 """The AR baseline: one token a forward, the same model without the adapter (or any causal LM)."""
 from __future__ import annotations
 
-import os
-
 import torch
 from torch import Tensor
 
@@ -12,47 +10,44 @@ from .rows import Batch
 from ..events import Token
 from ..sampling import row_alternatives
 
-SHARED_PREFIX_MIN = 16  # AR prefill: a common prompt prefix this long gets its own one-row forward (see _prefill_rows)
-
 
 class ARDecoder(Decoder):
     """Greedy or sampled next-token decoding over a KV cache (static-shape steps when there is a stepper)."""
 
     def _prefill_rows(self, batch: Batch, prompts: list[list[int]], cached: int = 0) -> None:
         with wide_calls():  # however the batch splits the prompts, their K/V come from the same kernels
-            self._prefill_ar(batch, prompts, cached)
+            self._prefill_ar(batch, cached)
 
     def _step_rows(self, batch: Batch) -> int:
         self._step_ar(batch)
         return 1
 
-    def _shared_prefix(self, prompts: list[list[int]], cache: KVCache | None) -> int:
-        """Tokens every prompt of the batch starts with (a chat template's system turn), when worth one forward of
-        their own: at least SHARED_PREFIX_MIN, and at least one token of every prompt left to prefill per row."""
-        if len(prompts) < 2 or cache is None or (self.stepper is not None and not self.joins):
-            return 0
-        n = min(len(os.path.commonprefix(prompts)), min(len(p) for p in prompts) - 1)
-        return n if n >= SHARED_PREFIX_MIN else 0
-
-    def _prefill_ar(self, batch: Batch, prompts: list[list[int]], cached: int = 0) -> None:
-        """Prompts from position `cached` on (the cache holds those before: chunked prefill)."""
+    def _prefill_ar(self, batch: Batch, cached: int = 0) -> None:
+        """Prompts from position `cached` on (the cache holds those before: chunked prefill, one row). Rows of one
+        length share a forward; rows of unequal lengths are prefilled one at a time, each in the forward it gets
+        alone (cache_rows: in place in the batch's cache). A padded forward reads more key quanta than the shorter
+        rows' own and a longer mask, and the bf16/int8 wide activations turn those last-bit differences into other
+        greedy answers (2 of 16 API clients on the 4-bit default, 2026-11-28); so did prefilling a shared system
+        turn once for every row, which this replaces."""
         rows, seq = batch.rows, batch.seq
-        plen = torch.tensor([r.prompt_len for r in rows], device=self.device)
-        width = int(plen.max())
-        shared = cached or self._shared_prefix(prompts, batch.cache)
-        if shared and not cached:  # the common prefix once, its K/V copied to every row; then only the rows' own tokens
-            assert batch.cache is not None
-            one = KVCache(self.model.cfg, 1, shared, self.device, self._dtype())
-            pos1 = torch.arange(shared, device=self.device)[None]
-            self.model(seq[:1, :shared], pos1, one, start=0, kv_len=shared, causal=True, logits_idx=pos1[:, -1:])
-            batch.cache.k[:, :, :, :shared] = one.k[:, :, :, :shared]
-            batch.cache.v[:, :, :, :shared] = one.v[:, :, :, :shared]
-        pos = torch.arange(shared, width, device=self.device)[None].expand(len(rows), -1)
-        same = not shared and bool((plen == width).all())
-        mask = None if same else causal_mask(pos, width, plen)
-        logits = self.model(seq[:, shared:width], pos, batch.cache, start=shared, kv_len=width, mask=mask, causal=same,
-                            logits_idx=(plen - 1 - shared)[:, None])
+        lens = [r.prompt_len for r in rows]
+        if len(set(lens)) == 1:
+            logits = self._prefill_forward(seq, lens[0], batch.cache, cached)
+        else:
+            assert not cached, "a chunked prefill is one row"
+            logits = torch.cat([self._prefill_forward(seq[b:b + 1], n, batch.cache, 0,
+                                                      torch.tensor([b], device=self.device))
+                                for b, n in enumerate(lens)])
         self._commit_ar(batch, logits, "prefill")
+
+    def _prefill_forward(self, seq: Tensor, n: int, cache: KVCache | None, cached: int,
+                         cache_rows: Tensor | None = None) -> Tensor:
+        """Positions [cached, n) of rows that all have n prompt tokens; the logits of position n - 1."""
+        pos = torch.arange(cached, n, device=self.device)[None].expand(seq.shape[0], -1)
+        last = torch.full((seq.shape[0], 1), n - 1 - cached, dtype=torch.long, device=self.device)
+        mask = causal_mask(pos, n) if cached else None  # after a chunk: the queries start past the cached keys
+        return self.model(seq[:, cached:n], pos, cache, start=cached, kv_len=n, mask=mask, causal=not cached,
+                          logits_idx=last, cache_rows=cache_rows)
 
     def _step_ar(self, batch: Batch) -> None:
         qs = [r.prompt_len + r.emitted_ar - 1 for r in batch.rows]  # host lists: no device sync
