@@ -283,8 +283,8 @@ def test_ar_batch_equals_greedy_full_forwards(lengths):
 
 def test_ar_rows_of_unequal_length_are_prefilled_one_at_a_time(monkeypatch):
     """An AR batch whose prompts differ in length prefills each row in the forward it gets alone (a padded forward
-    reads other key quanta, which the 4-bit default's wide activations turned into other answers); rows of one
-    length share a forward; every answer is its row's alone."""
+    runs a row's attention with more query rows, whose last bits the 4-bit default's wide activations turned into
+    other answers); rows of one length share a forward; every answer is its row's alone."""
     seed = 0
     model = tiny(seed)
     head = prompts_of(seed, (16,))[0]

@@ -25,10 +25,10 @@ class ARDecoder(Decoder):
     def _prefill_ar(self, batch: Batch, cached: int = 0) -> None:
         """Prompts from position `cached` on (the cache holds those before: chunked prefill, one row). Rows of one
         length share a forward; rows of unequal lengths are prefilled one at a time, each in the forward it gets
-        alone (cache_rows: in place in the batch's cache). A padded forward reads more key quanta than the shorter
-        rows' own and a longer mask, and the bf16/int8 wide activations turn those last-bit differences into other
-        greedy answers (2 of 16 API clients on the 4-bit default, 2026-11-28); so did prefilling a shared system
-        turn once for every row, which this replaces."""
+        alone (cache_rows: in place in the batch's cache). In a padded forward a row's attention runs in a call with
+        more query rows, and torch's CPU attention then gives it other last bits (bench/results/ar_prefill_exact),
+        which the bf16/int8 wide activations turn into other greedy answers (2 of 16 API clients on the 4-bit
+        default, 2026-11-28); so did prefilling a shared system turn once for every row, which this replaces."""
         rows, seq = batch.rows, batch.seq
         lens = [r.prompt_len for r in rows]
         if len(set(lens)) == 1:
