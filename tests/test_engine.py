@@ -245,8 +245,8 @@ def test_ar_batch_answers_are_single_user_ones_on_the_4bit_default(monkeypatch):
     """On the default 4-bit weights (bf16 wide and int8 one-token activations) a batch's greedy AR answers are the
     single-user ones: prompts of unequal length are prefilled one at a time, in the forward each gets alone. A
     padded batch prefill (and before it, a shared system turn prefilled once) ran a row's attention with more query
-    rows, where torch's CPU attention gives other last bits, and the wide activations turned those into other answers: two of these four
-    diverged at tokens 10 and 28."""
+    rows, where torch's CPU attention gives other last bits, and the wide activations turned those into other
+    answers: two of these four diverged at tokens 10 and 28."""
     from engine import Engine
 
     monkeypatch.delenv("FASTDLLM_WEIGHTS", raising=False)
