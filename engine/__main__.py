@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -73,12 +72,9 @@ def _messages(system: str | None, history: list[dict[str, str]], prompt: str) ->
 def _logprobs(seen: dict[int, Token], n: int) -> list[dict]:
     """The answer's tokens (through the stop token) with ln(probability) and alternatives, as --json prints them
     (a token among its own alternatives carries the same value)."""
-    out = []
-    for t in (seen[p] for p in range(n)):
-        own = math.log(max(t.conf, 1e-45))
-        out.append({"token": t.text, "id": t.id, "logprob": own, "top_logprobs": [
-            {"token": s, "id": i, "logprob": own if i == t.id else v} for i, s, v in (t.top or [])]})
-    return out
+    return [{"token": t.text, "id": t.id, "logprob": t.logprob(),
+             "top_logprobs": [{"token": s, "id": i, "logprob": v} for i, s, v in t.alternatives()]}
+            for t in (seen[p] for p in range(n))]
 
 
 def _decode(engine, ids: list[int], cfg: DecodeConfig, **kw):

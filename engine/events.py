@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable
 
@@ -20,6 +21,15 @@ class Token:
     # top_logprobs > 0 (committed tokens only): the k most likely tokens of the distribution this one was committed
     # from, (id, text, natural-log probability), most likely first; not written to traces
     top: list[tuple[int, str, float]] | None = None
+
+    def logprob(self) -> float:
+        """ln(the probability it was committed with)."""
+        return math.log(max(self.conf, 1e-45))
+
+    def alternatives(self) -> list[tuple[int, str, float]]:
+        """`top` with this token's own entry carrying logprob() exactly (top holds it rounded through float32)."""
+        own = self.logprob()
+        return [(i, s, own if i == self.id else v) for i, s, v in (self.top or [])]
 
 
 @dataclass(slots=True)

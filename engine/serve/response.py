@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import math
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -120,17 +119,13 @@ def _logprobs_json(chat: bool, toks: list[tuple[Any, int]], top: int = 0) -> dic
     was committed from: after the repetition knobs, temperature and top-p; vLLM's `processed_logprobs`); top > 0: the
     top most likely tokens of that distribution (Token.top), where chat lists them and completions give a dict that
     holds the token itself too, as vLLM writes it. The token's own entry among them carries the same value."""
-    lp = [math.log(max(t.conf, 1e-45)) for t, _ in toks]
-
-    def alts(t: Any, own: float) -> list[tuple[str, float]]:
-        return [(s, own if i == t.id else v) for i, s, v in (t.top or [])]
-
+    lp = [t.logprob() for t, _ in toks]
     if chat:
         return {"content": [{"token": t.text, "logprob": v, "bytes": list(t.text.encode("utf-8")),
                              "top_logprobs": [{"token": s, "logprob": x, "bytes": list(s.encode("utf-8"))}
-                                              for s, x in alts(t, v)]}
+                                              for _, s, x in t.alternatives()]}
                             for (t, _), v in zip(toks, lp)]}
-    tops = [{t.text: v, **dict(alts(t, v))} for (t, _), v in zip(toks, lp)] if top else None
+    tops = [{t.text: v, **{s: x for _, s, x in t.alternatives()}} for (t, _), v in zip(toks, lp)] if top else None
     return {"tokens": [t.text for t, _ in toks], "token_logprobs": lp, "top_logprobs": tops,
             "text_offset": [o for _, o in toks]}
 
