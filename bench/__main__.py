@@ -1,16 +1,17 @@
-"""python -m bench {throughput,cpu-shape,quality,penalties,profile,forward,kernels,roofline,gpu,memory,serve,stall,studio}: the Fast-dLLM v2 benchmarks."""
+"""python -m bench {conversation,throughput,cpu-shape,quality,penalties,profile,forward,kernels,roofline,gpu,memory,serve,stall,studio}: the Fast-dLLM v2 benchmarks."""
 from __future__ import annotations
 
 import argparse
 import sys
 
-from . import cpu_shape, forward, gpu, kernels, memory, penalties, profile, quality, roofline, serve, stall, studio, throughput
+from . import conversation, cpu_shape, forward, gpu, kernels, memory, penalties, profile, quality, roofline, serve, stall, studio, throughput
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     throughput.add_parser(sub)
+    conversation.add_parser(sub)
     cpu_shape.add_parser(sub)
     quality.add_parser(sub)
     penalties.add_parser(sub)

@@ -10,6 +10,7 @@ from pathlib import Path
 from .config import CACHE_MODES, MODES, STRATEGIES, ConfigError, DecodeConfig
 from .events import Token
 from .weights import ModelSourceError
+from .prefix_cache import PREFIX_CACHE_MIB
 from .scheduler import PREFILL_CHUNK
 from .runtime import Runtime
 
@@ -192,12 +193,15 @@ def cmd_serve(a: argparse.Namespace) -> int:
         raise ConfigError("port", f"must be in [1, 65535] (got {a.port})")
     if a.prefill_chunk < 64 or a.prefill_chunk % 64:
         raise ConfigError("prefill_chunk", f"must be a multiple of 64, at least 64 (got {a.prefill_chunk})")
+    if a.prefix_cache_mib is not None and not 0 <= a.prefix_cache_mib <= 1 << 20:
+        raise ConfigError("prefix_cache_mib", f"must be an integer in [0, {1 << 20}] (got {a.prefix_cache_mib})")
     key, origins = serve_access(a)
     engine = Engine.load(a.model, a.device, a.dtype)
     print(f"model: {engine.lm.banner()}; OpenAI API on http://{a.host}:{a.port}/v1"
           f"{'; API key required' if key else ''}{'; CORS for ' + ', '.join(origins) if origins else ''}",
           file=sys.stderr, flush=True)
-    serve(engine, a.host, a.port, a.max_batch, api_key=key, allowed_origins=origins, prefill_chunk=a.prefill_chunk)
+    serve(engine, a.host, a.port, a.max_batch, api_key=key, allowed_origins=origins, prefill_chunk=a.prefill_chunk,
+          prefix_cache_mib=a.prefix_cache_mib)
     return 0
 
 
@@ -222,6 +226,10 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--prefill-chunk", type=int, default=PREFILL_CHUNK,
                    help="a longer prompt is prefilled this many tokens per pass, between the other requests' forwards "
                         f"(chunked prefill; a multiple of 64; default {PREFILL_CHUNK})")
+    s.add_argument("--prefix-cache-mib", type=int, default=None, metavar="MIB",
+                   help="memory for the K/V of prompt chunks already prefilled, reused by prompts that start with the "
+                        "same tokens (a conversation's next turn, a shared system prompt); answers unchanged; 0 turns "
+                        f"it off (default: FASTDLLM_PREFIX_CACHE_MIB, else {PREFIX_CACHE_MIB})")
     s.add_argument("--model", help="hub id or local checkpoint directory (default: FASTDLLM_MODEL, else the bundled model)")
     s.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     s.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None, help="weights dtype")

@@ -19,6 +19,7 @@ from .config import DecodeConfig
 from .decode import Batch, Decoder, Row, decoder_for
 from .events import Listener, Result, Summary, Trace
 from .penalties import Penalties
+from .prefix_cache import PREFIX_CACHE_MIB, PrefixCache
 from .scheduler import (IDLE_STEPPERS, MAX_BATCH, MAX_WAITING, PREFILL_CHUNK, Plan, Prefill, Scheduler, Ticket,
                         not_started)
 from .static import StaticStepper
@@ -57,9 +58,13 @@ class Driver:
     """Continuous batching over one Engine: thread-safe submit(), one worker thread running the Scheduler's plans."""
 
     def __init__(self, engine: Engine, max_batch: int = MAX_BATCH, max_waiting: int = MAX_WAITING,
-                 prefill_chunk: int = PREFILL_CHUNK):
+                 prefill_chunk: int = PREFILL_CHUNK, prefix_cache_mib: int = PREFIX_CACHE_MIB):
+        if not 0 <= prefix_cache_mib <= 1 << 20:
+            raise ValueError(f"prefix_cache_mib: {prefix_cache_mib} must be in [0, {1 << 20}] (0: no prefix cache)")
         self.engine = engine
         self.scheduler = Scheduler(max_batch, max_waiting, prefill_chunk)
+        # K/V of prompt chunks already prefilled, for later prompts that start with them (engine/prefix_cache.py)
+        self.prefixes = PrefixCache(prefix_cache_mib << 20, prefill_chunk) if prefix_cache_mib else None
         self.batches: dict[tuple, Running] = {}  # batch key -> its running batch
         self.opened: dict[Ticket, Running] = {}  # chunked prefills: each long prompt's row until its final piece
         # batches of different keys take turns and each keeps its rows' K/V in its own stepper's storage
@@ -167,8 +172,10 @@ class Driver:
         try:
             dec = self._decoder_of(p.key, t.cfg)
             rows = self._rows(dec, [t])
-            self.opened[t] = Running(dec, dec.open_batch([t.ids], rows))
+            run = self.opened[t] = Running(dec, dec.open_batch([t.ids], rows))
             p.limit = dec.chunk_limit(rows)  # the block grid is the decoder's to know
+            if self.prefixes is not None:  # the chunks an earlier prompt with the same start prefilled: not run again
+                p.done = self.prefixes.restore(self._scope(dec), t.ids, p.limit, run.batch.cache)
         except Exception as exc:  # noqa: BLE001 - this request fails; the others go on
             self._fail([t], exc)
 
@@ -176,6 +183,8 @@ class Driver:
         run = self.opened[p.ticket]
         try:
             run.decoder.prefill_chunk(run.batch, start, end)
+            if self.prefixes is not None:
+                self.prefixes.save(self._scope(run.decoder), p.ticket.ids, start, run.batch.cache)
         except Exception as exc:  # noqa: BLE001 - this request fails; the running batches go on
             del self.opened[p.ticket]
             self._fail([p.ticket], exc)
@@ -248,6 +257,12 @@ class Driver:
             self.steppers[key] = self.engine.new_stepper(model)
         return decoder_for(model, cfg, self.engine.lm.mask_token_id, self.engine.tb, stepper=self.steppers[key],
                            joins=True)
+
+    @staticmethod
+    def _scope(dec: Decoder) -> tuple:
+        """What a prompt chunk's K/V depend on besides its tokens: the model (the dLLM's adapter changes them) and
+        the prompt's attention rule (AR causal, diffusion block-causal of its block size)."""
+        return id(dec.model), type(dec).__name__, dec.block
 
     @staticmethod
     def _rows(dec: Decoder, ts: list[Ticket]) -> list[Row]:

@@ -68,6 +68,8 @@ class Runtime:
     static: bool | None = None  # FASTDLLM_STATIC: static-shape steps (None: on for CUDA, off for CPU)
     graphs: bool = True  # FASTDLLM_GRAPHS: CUDA graph capture of static steps
     compile: bool = False  # FASTDLLM_COMPILE: torch.compile the static step's layer
+    # FASTDLLM_PREFIX_CACHE_MIB: K/V of prompt chunks kept for prompts that start with them (None: 512; 0: off)
+    prefix_cache_mib: int | None = None
     queue_size: int | None = None  # FASTDLLM_QUEUE_SIZE: studio requests that may wait (None: the studio's 16)
     engine_url: str | None = None  # FASTDLLM_ENGINE_URL: the studio drives this server instead of a local model
     api_key: str | None = None  # FASTDLLM_API_KEY: the server's key
@@ -99,6 +101,7 @@ class Runtime:
             static=_flag("FASTDLLM_STATIC", None),
             graphs=bool(_flag("FASTDLLM_GRAPHS", True)),
             compile=bool(_flag("FASTDLLM_COMPILE", False)),
+            prefix_cache_mib=_int("FASTDLLM_PREFIX_CACHE_MIB", 0),
             queue_size=_int("FASTDLLM_QUEUE_SIZE", 1),
             engine_url=env.get("FASTDLLM_ENGINE_URL") or None,
             api_key=env.get("FASTDLLM_API_KEY") or None,

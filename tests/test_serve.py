@@ -191,7 +191,8 @@ def test_serve_cli_rejects_bad_options_before_loading_the_model():
     import sys
 
     for args, needle in [(["--max-batch", "0"], "max_batch: must be an integer in [1, 256]"),
-                         (["--port", "70000"], "port: must be in [1, 65535]")]:
+                         (["--port", "70000"], "port: must be in [1, 65535]"),
+                         (["--prefix-cache-mib", "-1"], "prefix_cache_mib: must be an integer in [0, 1048576]")]:
         r = subprocess.run([sys.executable, "-m", "engine", "serve", *args], capture_output=True, text=True, timeout=120)
         assert r.returncode == 2 and needle in r.stderr, r.stderr
 

@@ -320,8 +320,8 @@ def create_app(engine: Engine, scheduler: Driver, model_id: str | None = None, *
 
 def serve(engine: Engine, host: str = "127.0.0.1", port: int = 8000, max_batch: int = MAX_BATCH, *,
           api_key: str | None = None, allowed_origins: list[str] | tuple[str, ...] = (),
-          prefill_chunk: int = PREFILL_CHUNK) -> None:
-    """Run the server until interrupted (`python -m engine serve`)."""
+          prefill_chunk: int = PREFILL_CHUNK, prefix_cache_mib: int | None = None) -> None:
+    """Run the server until interrupted (`python -m engine serve`); prefix_cache_mib None: the engine's runtime's."""
     import uvicorn
 
     if not log.handlers:  # the per-request JSON lines, on stderr beside uvicorn's own
@@ -330,7 +330,8 @@ def serve(engine: Engine, host: str = "127.0.0.1", port: int = 8000, max_batch: 
         log.addHandler(h)
         log.setLevel(logging.INFO)
         log.propagate = False
-    sched = engine.start_scheduler(max_batch=max_batch, prefill_chunk=prefill_chunk)
+    extra = {} if prefix_cache_mib is None else {"prefix_cache_mib": prefix_cache_mib}
+    sched = engine.start_scheduler(max_batch=max_batch, prefill_chunk=prefill_chunk, **extra)
     try:
         uvicorn.run(create_app(engine, sched, api_key=api_key, allowed_origins=allowed_origins), host=host, port=port,
                     log_level="info", access_log=False)  # our JSON line replaces uvicorn's access line

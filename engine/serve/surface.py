@@ -55,13 +55,19 @@ class Metrics:
         p = "fastdllm_"
         out = [f"# HELP {p}requests_total HTTP requests answered, by route and status.", f"# TYPE {p}requests_total counter"]
         out += [f'{p}requests_total{{route="{r}",status="{c}"}} {n}' for (r, c), n in sorted(self.requests.items())]
+        pc = scheduler.prefixes
         gauges = [("queue_length", "Requests waiting for a batch row.", len(scheduler.waiting)),
-                  ("running_rows", "Rows in running batches after the scheduler's last pass.", scheduler.running)]
+                  ("running_rows", "Rows in running batches after the scheduler's last pass.", scheduler.running),
+                  ("prefix_cache_bytes", "Memory held by the prefix cache's K/V.", pc.bytes if pc else 0)]
         for name, about, v in gauges:
             out += [f"# HELP {p}{name} {about}", f"# TYPE {p}{name} gauge", f"{p}{name} {v}"]
         counters = [("prompt_tokens_total", "Prompt tokens of completed requests.", self.prompt_tokens),
                     ("generated_tokens_total", "Answer tokens generated (through the stop token); rate() = tokens/s.",
-                     self.generated_tokens)]
+                     self.generated_tokens),
+                    ("prefix_cache_queried_tokens_total", "Prompt positions of chunked prefills looked up in the prefix "
+                     "cache.", pc.queried_tokens if pc else 0),
+                    ("prefix_cache_hit_tokens_total", "Of those, positions whose K/V were copied, not prefilled.",
+                     pc.hit_tokens if pc else 0)]
         for name, about, v in counters:
             out += [f"# HELP {p}{name} {about}", f"# TYPE {p}{name} counter", f"{p}{name} {v}"]
         for name, about, h in [("time_to_first_token_seconds", "Request arrival to its first committed answer token.",
