@@ -244,3 +244,30 @@ def test_big_batches_run_at_row_buckets_with_the_same_answers(device, engines, t
     assert row_bucket(len(prompts)) in rows and all(r <= EXACT_ROWS or r == row_bucket(r) for r in rows)
     if device == "cuda":
         assert static.graphs_report()["error"] is None
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_prefix_cache_through_the_scheduler_on_the_static_path(device, engines, toy):
+    """A conversation's next turn through the driver (static steps, CUDA graphs on a GPU): with the prefix cache it
+    copies the first turn's chunks and answers as it does without one (docs/serving.md#prefix-cache)."""
+    from engine.driver import Driver
+
+    static = engines(device, True)
+    stop = {"stop_token_ids": (2**31 - 1,)} if source_for(device, toy) else {}
+    first = [{"role": "user", "content": "Notes: " + " ".join(f"item{i}" for i in range(150)) + ". Which item is last?"}]
+    one = static.encode(static.chat_prompt(first))
+    two = static.encode(static.chat_prompt(first + [{"role": "assistant", "content": "item149"},
+                                                    {"role": "user", "content": "And the first?"}]))
+    assert two[:len(one)] == one and len(one) > 2 * 64
+    for mode in ("ar", "diffusion"):
+        cfg = static.decode_config(mode=mode, max_new_tokens=16, **stop)
+        got = {}
+        for mib in (0, 64):
+            d = Driver(static, prefill_chunk=64, prefix_cache_mib=mib)
+            try:
+                d.generate_ids(one, cfg, record=False)
+                got[mib] = d.generate_ids(two, cfg, record=False).summary.token_ids
+                hits = d.prefixes.hit_tokens if d.prefixes else 0
+            finally:
+                d.close()
+        assert got[64] == got[0] and hits > 0, mode
