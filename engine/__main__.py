@@ -191,7 +191,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
         raise ConfigError("max_batch", f"must be an integer in [1, 256] (got {a.max_batch})")
     if not 0 < a.port < 65536:
         raise ConfigError("port", f"must be in [1, 65535] (got {a.port})")
-    if a.prefill_chunk < 64 or a.prefill_chunk % 64:
+    if a.prefill_chunk is not None and (a.prefill_chunk < 64 or a.prefill_chunk % 64):
         raise ConfigError("prefill_chunk", f"must be a multiple of 64, at least 64 (got {a.prefill_chunk})")
     if a.prefix_cache_mib is not None and not 0 <= a.prefix_cache_mib <= 1 << 20:
         raise ConfigError("prefix_cache_mib", f"must be an integer in [0, {1 << 20}] (got {a.prefix_cache_mib})")
@@ -223,9 +223,10 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--host", default="127.0.0.1", help="interface (default 127.0.0.1; 0.0.0.0 to share on a network)")
     s.add_argument("--port", type=int, default=8000, help="port (8000)")
     s.add_argument("--max-batch", type=int, default=16, help="rows decoded together per setting; more requests wait")
-    s.add_argument("--prefill-chunk", type=int, default=PREFILL_CHUNK,
+    s.add_argument("--prefill-chunk", type=int, default=None,
                    help="a longer prompt is prefilled this many tokens per pass, between the other requests' forwards "
-                        f"(chunked prefill; a multiple of 64; default {PREFILL_CHUNK})")
+                        "(chunked prefill), also the prefix cache's grain; a multiple of 64 (default: "
+                        f"FASTDLLM_PREFILL_CHUNK, else {PREFILL_CHUNK})")
     s.add_argument("--prefix-cache-mib", type=int, default=None, metavar="MIB",
                    help="memory for the K/V of prompt chunks already prefilled, reused by prompts that start with the "
                         "same tokens (a conversation's next turn, a shared system prompt); answers unchanged; 0 turns "

@@ -68,10 +68,11 @@ class Engine:
     def start_scheduler(self, **settings: Any) -> Driver:
         """The engine's one front door for many callers (the studio's visitors, the server's clients, the CLI):
         a Driver running a Scheduler's plans (continuous batching), started with `settings` (max_batch, max_waiting,
-        prefill_chunk, prefix_cache_mib: FASTDLLM_PREFIX_CACHE_MIB when not given) on the first call; later calls
-        return it as it is. Its worker thread sleeps while idle."""
-        if self.runtime.prefix_cache_mib is not None:
-            settings.setdefault("prefix_cache_mib", self.runtime.prefix_cache_mib)
+        prefill_chunk, prefix_cache_mib; FASTDLLM_PREFILL_CHUNK and FASTDLLM_PREFIX_CACHE_MIB when not given) on the
+        first call; later calls return it as it is. Its worker thread sleeps while idle."""
+        for name in ("prefill_chunk", "prefix_cache_mib"):
+            if getattr(self.runtime, name) is not None:
+                settings.setdefault(name, getattr(self.runtime, name))
         with self._scheduler_lock:
             if self._scheduler is None:
                 self._scheduler = Driver(self, **settings)

@@ -68,6 +68,8 @@ class Runtime:
     static: bool | None = None  # FASTDLLM_STATIC: static-shape steps (None: on for CUDA, off for CPU)
     graphs: bool = True  # FASTDLLM_GRAPHS: CUDA graph capture of static steps
     compile: bool = False  # FASTDLLM_COMPILE: torch.compile the static step's layer
+    # FASTDLLM_PREFILL_CHUNK: the scheduler's chunked-prefill size and prefix-cache grain, a multiple of 64 (None: 256)
+    prefill_chunk: int | None = None
     # FASTDLLM_PREFIX_CACHE_MIB: K/V of prompt chunks kept for prompts that start with them (None: 512; 0: off)
     prefix_cache_mib: int | None = None
     queue_size: int | None = None  # FASTDLLM_QUEUE_SIZE: studio requests that may wait (None: the studio's 16)
@@ -78,6 +80,8 @@ class Runtime:
     def __post_init__(self) -> None:
         if self.dtype is not None and self.dtype not in ("float32", "bfloat16", "float16"):
             raise RuntimeConfigError(f"FASTDLLM_DTYPE: {self.dtype!r} is not one of float32, bfloat16, float16")
+        if self.prefill_chunk is not None and (self.prefill_chunk < 64 or self.prefill_chunk % 64):
+            raise RuntimeConfigError(f"FASTDLLM_PREFILL_CHUNK: {self.prefill_chunk} must be a multiple of 64, at least 64")
 
     @classmethod
     def from_env(cls) -> "Runtime":
@@ -101,6 +105,7 @@ class Runtime:
             static=_flag("FASTDLLM_STATIC", None),
             graphs=bool(_flag("FASTDLLM_GRAPHS", True)),
             compile=bool(_flag("FASTDLLM_COMPILE", False)),
+            prefill_chunk=_int("FASTDLLM_PREFILL_CHUNK", 64),
             prefix_cache_mib=_int("FASTDLLM_PREFIX_CACHE_MIB", 0),
             queue_size=_int("FASTDLLM_QUEUE_SIZE", 1),
             engine_url=env.get("FASTDLLM_ENGINE_URL") or None,

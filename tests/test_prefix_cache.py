@@ -231,3 +231,21 @@ def test_the_engines_scheduler_reads_its_runtime_switch(engine, monkeypatch):
         Runtime.from_env()
     monkeypatch.setenv("FASTDLLM_PREFIX_CACHE_MIB", "64")
     assert Runtime.from_env().prefix_cache_mib == 64
+
+
+def test_the_engines_scheduler_reads_its_prefill_chunk_switch(engine, monkeypatch):
+    """FASTDLLM_PREFILL_CHUNK sets the chunk (and the cache's grain) of the engine's scheduler; not a multiple of 64
+    is refused naming the switch."""
+    from dataclasses import replace
+
+    from engine import Engine
+    from engine.runtime import Runtime, RuntimeConfigError
+
+    e = Engine(engine.lm, runtime=replace(engine.runtime, prefill_chunk=128))
+    try:
+        assert e.scheduler.prefill_chunk == 128 and e.scheduler.prefixes.chunk == 128
+    finally:
+        e.close_scheduler()
+    monkeypatch.setenv("FASTDLLM_PREFILL_CHUNK", "100")
+    with pytest.raises(RuntimeConfigError, match="FASTDLLM_PREFILL_CHUNK: 100 must be a multiple of 64"):
+        Runtime.from_env()

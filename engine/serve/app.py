@@ -37,7 +37,7 @@ from ..engine import Engine, Result
 from ..events import Event
 from ..weights import MASK_TOKEN
 from ..driver import Driver
-from ..scheduler import MAX_BATCH, PREFILL_CHUNK, SchedulerBusy
+from ..scheduler import MAX_BATCH, SchedulerBusy
 from .request import (FINISH, MAX_BODY_BYTES, MAX_ECHO_DIFFUSION_TOKENS, MAX_JSON_DEPTH, MAX_PROMPT_CHARS, ApiError,
                       ApiRequest, _depth, _messages, _text, parse)
 from .response import Choice, LiveGroup, _echo_logprobs, _logprobs_json, usage
@@ -320,8 +320,9 @@ def create_app(engine: Engine, scheduler: Driver, model_id: str | None = None, *
 
 def serve(engine: Engine, host: str = "127.0.0.1", port: int = 8000, max_batch: int = MAX_BATCH, *,
           api_key: str | None = None, allowed_origins: list[str] | tuple[str, ...] = (),
-          prefill_chunk: int = PREFILL_CHUNK, prefix_cache_mib: int | None = None) -> None:
-    """Run the server until interrupted (`python -m engine serve`); prefix_cache_mib None: the engine's runtime's."""
+          prefill_chunk: int | None = None, prefix_cache_mib: int | None = None) -> None:
+    """Run the server until interrupted (`python -m engine serve`); prefill_chunk / prefix_cache_mib None: the
+    engine's runtime's (FASTDLLM_PREFILL_CHUNK / FASTDLLM_PREFIX_CACHE_MIB), else the scheduler's defaults."""
     import uvicorn
 
     if not log.handlers:  # the per-request JSON lines, on stderr beside uvicorn's own
@@ -330,8 +331,8 @@ def serve(engine: Engine, host: str = "127.0.0.1", port: int = 8000, max_batch: 
         log.addHandler(h)
         log.setLevel(logging.INFO)
         log.propagate = False
-    extra = {} if prefix_cache_mib is None else {"prefix_cache_mib": prefix_cache_mib}
-    sched = engine.start_scheduler(max_batch=max_batch, prefill_chunk=prefill_chunk, **extra)
+    given = {"prefill_chunk": prefill_chunk, "prefix_cache_mib": prefix_cache_mib}
+    sched = engine.start_scheduler(max_batch=max_batch, **{k: v for k, v in given.items() if v is not None})
     try:
         uvicorn.run(create_app(engine, sched, api_key=api_key, allowed_origins=allowed_origins), host=host, port=port,
                     log_level="info", access_log=False)  # our JSON line replaces uvicorn's access line
