@@ -32,6 +32,7 @@ class RunSummary(TypedDict):
     ttft: float
     stop_reason: str
     text: str
+    cached_tokens: int  # prompt positions the prefix cache gave (a conversation's earlier turns), not prefilled
 
 
 class SweepRow(TypedDict):

@@ -227,7 +227,9 @@ def meter_cards(s: Summary | dict[str, Any], title: str = "", tps_runs: list[flo
              ("NFE", str(int(d["nfe"])), "forwards (network function evaluations), prefill and commits included"),
              ("tokens/forward", _fmt(float(d["tokens_per_forward"])),
               speed_tip or "answer tokens per forward: 1.0 for AR"),
-             ("TTFT", _duration(float(d["ttft"])), "engine time to the first committed token"),
+             ("TTFT", _duration(float(d["ttft"])), "engine time to the first committed token" + (
+                 f"; {int(d['cached_tokens'])} prompt tokens' K/V came from the prefix cache (earlier turns), not "
+                 "prefilled" if d.get("cached_tokens") else "")),
              ("tokens", str(int(d["answer_tokens"])), "answer tokens, through the stop token"),
              ("time", _duration(float(d["seconds"])), "engine seconds (tokenisation and UI excluded)"),
              ("stop", esc(fin), fin_tip)]

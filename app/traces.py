@@ -14,6 +14,7 @@ MAX_TOKENS_PER_EVENT = 4096
 MAX_PIECE_CHARS = 256
 MAX_TEXT_CHARS = 200_000
 MAX_PROMPT_LEN = 10_000_000
+OPTIONAL = {"cached_tokens"}  # summary fields newer than some saved traces (2026-11-28): absent reads as 0
 
 
 class TraceError(ValueError):
@@ -85,8 +86,10 @@ def _header(h: Any) -> tuple[dict[str, Any], DecodeConfig]:
 def _summary(s: Any) -> None:
     if s is None:
         return
-    if not isinstance(s, dict) or set(s) != set(Summary.__dataclass_fields__):
+    if not isinstance(s, dict) or set(s) - OPTIONAL != set(Summary.__dataclass_fields__) - OPTIONAL:
         raise TraceError(f"trace: 'summary' must be null or an object with {', '.join(Summary.__dataclass_fields__)}")
+    if "cached_tokens" in s:
+        _int(s["cached_tokens"], "summary.cached_tokens", 0, 10**9)
     for k in ("answer_tokens", "nfe"):
         _int(s[k], f"summary.{k}", 0, 10**9)
     for k in ("tokens_per_forward", "seconds", "tokens_per_second", "ttft"):

@@ -172,16 +172,22 @@ class Driver:
         try:
             dec = self._decoder_of(p.key, t.cfg)
             rows = self._rows(dec, [t])
-            run = self.opened[t] = Running(dec, dec.open_batch([t.ids], rows))
+            self.opened[t] = Running(dec, dec.open_batch([t.ids], rows))
             p.limit = dec.chunk_limit(rows)  # the block grid is the decoder's to know
-            if self.prefixes is not None:  # the chunks an earlier prompt with the same start prefilled: not run again
-                p.done = self.prefixes.restore(self._scope(dec), t.ids, p.limit, run.batch.cache)
         except Exception as exc:  # noqa: BLE001 - this request fails; the others go on
             self._fail([t], exc)
 
     def _chunk(self, p: Prefill, start: int, end: int) -> None:
         run = self.opened[p.ticket]
         try:
+            if start == 0 and self.prefixes is not None:
+                # the row's first piece: the chunks an earlier prompt with the same start prefilled are copied, not
+                # run again. Looked up now, not when the row opened: a prompt sent together with an identical one
+                # (n > 1, a shared document) finds the chunks the other's prefill saved before it.
+                got = self.prefixes.restore(self._scope(run.decoder), p.ticket.ids, p.limit, run.batch.cache)
+                if got:
+                    run.batch.rows[0].cached = p.done = got  # the scheduler's next piece starts there
+                    return
             run.decoder.prefill_chunk(run.batch, start, end)
             if self.prefixes is not None:
                 self.prefixes.save(self._scope(run.decoder), p.ticket.ids, start, run.batch.cache)

@@ -72,6 +72,7 @@ class Summary:
     stop_reason: str  # "stop_token" | "max_new_tokens" | "cancelled" | "context"
     text: str
     token_ids: list[int]
+    cached_tokens: int = 0  # prompt positions whose K/V the prefix cache gave (engine/prefix_cache.py), not prefilled
 
 
 @dataclass

@@ -368,7 +368,12 @@ def test_uploaded_trace_round_trip_and_limits():
         "bad kind": good.replace('"kind":"step"', '"kind":"boom"'),
         "bad config": good.replace('"sub_block_size":4', '"sub_block_size":3'),
         "extra summary key": good.replace('"stop_reason":', '"evil":1,"stop_reason":'),
+        "negative cached_tokens": good.replace('"cached_tokens":0', '"cached_tokens":-1'),
     }
+    assert '"cached_tokens":0' in good
+    # a trace saved before summaries had cached_tokens (2026-11-28) still replays, as 0
+    old = parse_trace(good.replace(',"cached_tokens":0', '').replace('"cached_tokens":0,', ''))
+    assert old.summary is not None and old.summary.cached_tokens == 0
     for name, data in bad.items():
         with pytest.raises(TraceError) as err:
             parse_trace(data)

@@ -160,6 +160,7 @@ def test_the_next_turn_reuses_the_last_turns_chunks_with_the_same_answer(engine,
             if mib:
                 limit = len(one) - 1 if mode == "ar" else (len(one) - 1) // 32 * 32  # Decoder.chunk_limit
                 assert d.prefixes.hit_tokens == reusable(limit, 64) * 64 > 0  # every chunk the first turn ran
+                assert answers[mib].cached_tokens == d.prefixes.hit_tokens
                 assert 0 < d.prefixes.bytes <= 64 << 20
             else:
                 assert d.prefixes is None
@@ -169,7 +170,10 @@ def test_the_next_turn_reuses_the_last_turns_chunks_with_the_same_answer(engine,
     assert forwards[0] - forwards[64] == d.prefixes.hit_tokens // 64  # each reused chunk is a forward not run
 
 
-def test_metrics_report_prefix_cache_hits(engine):
+def test_usage_and_metrics_report_prefix_cache_hits(engine):
+    """usage.prompt_tokens_details.cached_tokens (OpenAI's and vLLM's field) per request, and /metrics in total:
+    a request after the same prompt, and n = 2 choices of one prompt (the second row's prefill finds the first's
+    chunks), copy every reusable chunk."""
     from fastapi.testclient import TestClient
 
     from engine.serve import create_app
@@ -177,19 +181,44 @@ def test_metrics_report_prefix_cache_hits(engine):
 
     one, _ = turn_prompts(engine)
     d = Driver(engine, prefill_chunk=64, prefix_cache_mib=32)
+    body = {"model": engine.lm.name, "prompt": one, "mode": "ar", "max_tokens": 2}
     try:
         with TestClient(create_app(engine, d)) as c:
-            for _ in range(2):
-                r = c.post("/v1/completions", json={"model": engine.lm.name, "prompt": one, "mode": "ar",
-                                                     "max_tokens": 2})
-                assert r.status_code == 200, r.text
+            r = [c.post("/v1/completions", json=body) for _ in range(2)]
+            assert all(x.status_code == 200 for x in r), r[0].text
             p = prom(c.get("/metrics").text)
+            d.prefixes.clear()
+            both = c.post("/v1/completions", json={**body, "n": 2})
+            assert both.status_code == 200, both.text
     finally:
         d.close()
     reused = reusable(len(one) - 1, 64) * 64
+    assert [x.json()["usage"]["prompt_tokens_details"] for x in r] == [{"cached_tokens": 0}, {"cached_tokens": reused}]
     assert p["fastdllm_prefix_cache_queried_tokens_total"] == 2 * reused
     assert p["fastdllm_prefix_cache_hit_tokens_total"] == reused  # the second request copied every reusable chunk
     assert 0 < p["fastdllm_prefix_cache_bytes"] <= 32 << 20
+    assert both.json()["usage"]["prompt_tokens_details"] == {"cached_tokens": reused}
+    assert [ch["text"] for ch in both.json()["choices"]] == [r[0].json()["choices"][0]["text"]] * 2
+
+
+def test_prompts_sent_together_share_their_chunks(engine):
+    """Identical long prompts submitted in one pass: the first prefills the chunks, the others copy them when their
+    own prefill starts; every answer is the one without a prefix cache."""
+    one, _ = turn_prompts(engine)
+    cfg = engine.decode_config(mode="diffusion", max_new_tokens=8)
+    got = {}
+    for mib in (0, 64):
+        d = Driver(engine, prefill_chunk=64, prefix_cache_mib=mib)
+        try:
+            with d._cv:  # all admitted in one pass
+                ts = [d.submit(one, cfg, record=False) for _ in range(3)]
+            got[mib] = [t.wait(300).summary for t in ts]
+        finally:
+            d.close()
+    reused = reusable((len(one) - 1) // 32 * 32, 64) * 64
+    assert [s.cached_tokens for s in got[64]] == [0, reused, reused] and reused > 0
+    assert [s.cached_tokens for s in got[0]] == [0, 0, 0]
+    assert [s.token_ids for s in got[64]] == [s.token_ids for s in got[0]] == [got[0][0].token_ids] * 3
 
 
 def test_the_driver_keeps_modes_models_and_block_sizes_apart(engine):

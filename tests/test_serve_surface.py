@@ -207,9 +207,10 @@ def test_one_json_log_line_per_request(tc, engine, logs):
     lines = [json.loads(rec.getMessage()) for rec in logs.records if rec.name == "engine.serve"]
     assert len(lines) == 4, lines
     first = lines[0]
-    assert set(first) >= {"time", "request_id", "route", "status", "prompt_tokens", "completion_tokens", "seconds",
-                          "finish_reason"}
+    assert set(first) >= {"time", "request_id", "route", "status", "prompt_tokens", "cached_tokens",
+                          "completion_tokens", "seconds", "finish_reason"}
     body = r.json()
+    assert first["cached_tokens"] == body["usage"]["prompt_tokens_details"]["cached_tokens"] == 0  # a short prompt
     assert first["request_id"] == r.headers["x-request-id"] and body["id"].endswith(first["request_id"])
     assert (first["route"], first["status"]) == ("/v1/chat/completions", 200)
     assert first["prompt_tokens"] == body["usage"]["prompt_tokens"] and first["completion_tokens"] == body["usage"][

@@ -178,7 +178,7 @@ class Decoder:
         return Summary(answer_tokens=n, nfe=row.nfe, tokens_per_forward=n / max(row.nfe, 1), seconds=secs,
                        tokens_per_second=n / secs if secs > 0 else 0.0,
                        ttft=row.first_token_t if row.first_token_t is not None else secs,
-                       stop_reason=row.done, text=row.detok.text, token_ids=ids)
+                       stop_reason=row.done, text=row.detok.text, token_ids=ids, cached_tokens=row.cached)
 
     def _finish(self, row: Row, reason: str) -> None:
         row.done = reason

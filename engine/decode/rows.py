@@ -44,6 +44,7 @@ class Row:
     ngrams: NgramIndex | None = None  # no_repeat_ngram_size > 0: the n-grams of prompt + committed answer
     gen: torch.Generator | None = None  # sampling (temperature > 0): this row's own random stream, from its seed
     top: int = 0  # top_logprobs: alternatives kept per committed token (0 = none; rows of a batch may differ)
+    cached: int = 0  # prompt positions whose K/V were copied from the prefix cache (the driver's chunked prefill)
 
     def known(self, q: int) -> bool:
         return q < self.prompt_len or self.answer[q - self.prompt_len] is not None

@@ -208,6 +208,7 @@ def create_app(engine: Engine, scheduler: Driver, model_id: str | None = None, *
 
     def _finished(request: Request, results: list[Result], reasons: list[str]) -> None:
         request.scope["state"]["log"].update(completion_tokens=sum(r.summary.answer_tokens for r in results),
+                                             cached_tokens=max(r.summary.cached_tokens for r in results),
                                              finish_reason=reasons[0] if len(set(reasons)) == 1 else reasons)
 
     def _reason(c: Choice, res: Result) -> str:

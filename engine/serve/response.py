@@ -147,11 +147,13 @@ def _echo_logprobs(ptext: str, ptoks: list[str], scored: list[Any] | None, answe
 
 def usage(prompt_tokens: int, summaries: list[Summary]) -> dict[str, Any]:
     """OpenAI's usage, plus what a dLLM run is measured by (completion tokens count through the stop token); with
-    n > 1 choices: tokens and NFE summed, seconds the longest row's, TTFT the first row's."""
+    n > 1 choices: tokens and NFE summed, seconds the longest row's, TTFT the first row's; cached_tokens (prompt
+    positions the prefix cache gave, OpenAI's and vLLM's name) the most any choice's row got."""
     tokens, nfe = sum(s.answer_tokens for s in summaries), sum(s.nfe for s in summaries)
     tpf = summaries[0].tokens_per_forward if len(summaries) == 1 else tokens / max(nfe, 1)
     return {"prompt_tokens": prompt_tokens, "completion_tokens": tokens,
-            "total_tokens": prompt_tokens + tokens, "nfe": nfe,
+            "total_tokens": prompt_tokens + tokens,
+            "prompt_tokens_details": {"cached_tokens": max(s.cached_tokens for s in summaries)}, "nfe": nfe,
             "tokens_per_forward": round(tpf, 4), "engine_seconds": round(max(s.seconds for s in summaries), 6),
             "engine_ttft": round(min(s.ttft for s in summaries), 6)}
 

@@ -119,7 +119,7 @@ class Surface:
             self.metrics.record(route, status, info, seconds)
             log.info(json.dumps({"time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "request_id": rid,
                                  "method": scope["method"], "route": route, "status": status,
-                                 "prompt_tokens": info.get("prompt_tokens"),
+                                 "prompt_tokens": info.get("prompt_tokens"), "cached_tokens": info.get("cached_tokens"),
                                  "completion_tokens": info.get("completion_tokens"), "seconds": round(seconds, 4),
                                  "ttft": None if info.get("ttft") is None else round(info["ttft"], 4),
                                  "finish_reason": info.get("finish_reason")}))
