@@ -171,7 +171,9 @@ def _chat(engine, cfg: DecodeConfig, system: str | None, history: list[dict[str,
             print(f"\nerror: {exc}", file=sys.stderr)
             continue
         s = res.summary
-        print(f"\n[{s.answer_tokens} tokens · {s.tokens_per_forward:.2f} tokens/forward · {s.tokens_per_second:.1f} tokens/s]", file=sys.stderr)
+        cached = f" · {s.cached_tokens} prompt tokens from the prefix cache" if s.cached_tokens else ""
+        print(f"\n[{s.answer_tokens} tokens · {s.tokens_per_forward:.2f} tokens/forward · {s.tokens_per_second:.1f} tokens/s"
+              f" · first token {s.ttft:.2f} s{cached}]", file=sys.stderr)
         history += [{"role": "user", "content": msg}, {"role": "assistant", "content": s.text}]
 
 

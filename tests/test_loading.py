@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -144,6 +145,17 @@ def test_cli_chat_multi_turn():
     assert "(conversation cleared)" in r.stderr and "Traceback" not in r.stderr
 
 
+def test_cli_chat_reuses_the_history_and_says_so():
+    """The terminal chat decodes through the scheduler: a long first message's chunks are copied into the next
+    turn's prefill (the prefix cache), and that turn's stats line says how many prompt tokens they were."""
+    notes = "Notes: " + "The meeting moved to Tuesday at ten. " * 40
+    r = _cli("chat", "--mode", "ar", "--max-new-tokens", "4", stdin=f"{notes}\nWhen is it?\nexit\n")
+    assert r.returncode == 0, r.stderr
+    stats = [ln for ln in r.stderr.splitlines() if "tokens/forward" in ln]
+    assert len(stats) == 2 and "prefix cache" not in stats[0] and "first token" in stats[0]
+    assert re.search(r"· 256 prompt tokens from the prefix cache\]$", stats[1]), stats[1]
+
+
 def test_bf16_model_keeps_fp32_rotary_angles(tiny_fast_dllm):
     """Module.to(bf16) must not round inv_freq: bf16 angles drift by radians at long positions."""
     from engine.weights import build_model
@@ -170,6 +182,7 @@ def test_runtime_reads_every_switch_and_names_a_bad_value(monkeypatch, tmp_path)
               "FASTDLLM_THREADS": "3", "FASTDLLM_WEIGHTS": "int4", "FASTDLLM_INT4_WIDE_ROWS": "9",
               "FASTDLLM_ACTIVATIONS": "int8", "FASTDLLM_KERNELS": "torch", "FASTDLLM_FUSED": "0", "FASTDLLM_PACK": "0",
               "FASTDLLM_STATIC": "1", "FASTDLLM_GRAPHS": "0", "FASTDLLM_COMPILE": "1", "FASTDLLM_QUEUE_SIZE": "5",
+              "FASTDLLM_PREFILL_CHUNK": "128", "FASTDLLM_PREFIX_CACHE_MIB": "0",
               "FASTDLLM_ENGINE_URL": "http://h:8000", "FASTDLLM_API_KEY": "k", "FASTDLLM_UPDATE_SCREENSHOT": "1"}
     for k, v in values.items():
         monkeypatch.setenv(k, f" {v} ")  # surrounding blanks are ignored
@@ -177,7 +190,8 @@ def test_runtime_reads_every_switch_and_names_a_bad_value(monkeypatch, tmp_path)
     assert rt == Runtime(model="bundled-base", adapter=tmp_path / "a.safetensors", gguf=tmp_path / "b.gguf",
                          cache=tmp_path, dtype="bfloat16", threads=3, weights="int4", int4_wide_rows=9,
                          activations="int8", kernels="torch", fused=False, pack=False, static=True, graphs=False,
-                         compile=True, queue_size=5, engine_url="http://h:8000", api_key="k", update_screenshot=True)
+                         compile=True, queue_size=5, engine_url="http://h:8000", api_key="k", update_screenshot=True,
+                         prefill_chunk=128, prefix_cache_mib=0)
     for name, bad, needle in (("FASTDLLM_THREADS", "two", "'two' is not an integer >= 1"),
                               ("FASTDLLM_THREADS", "0", "0 must be >= 1"),
                               ("FASTDLLM_STATIC", "yes", "'yes' is not 0 or 1"),
