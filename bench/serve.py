@@ -5,6 +5,8 @@ setting, `repeats` times: one client sends the N prompts in turn, then N clients
 The two phases alternate so that the load of a shared machine drifts over both alike. Reported: aggregate answer
 tokens/s of each phase (tokens / wall time, summed over repeats) and their ratio, client-side TTFT p50/p95
 (request sent -> first text), and whether every concurrent answer equals the one-client answer of its prompt.
+With `--system FILE` every request starts with that system message (many clients sharing one long document: the
+prefix cache's case; each request's `usage.prompt_tokens_details.cached_tokens` is summed per phase).
 """
 from __future__ import annotations
 
@@ -32,6 +34,8 @@ def add_parser(sub: Any) -> None:
     add_concurrency_options(p, started=("server", "python -m engine serve", "/v1 URL"), crowd="clients", settings=SETTINGS,
                             default_settings="ar,diffusion-block,diffusion-dual", max_tokens_help="answer tokens")
     p.add_argument("--out", default="runs/bench/serve", help="directory for results.json")
+    p.add_argument("--system", default=None, metavar="FILE",
+                   help="a text file every client sends as its system message (e.g. bench/data/system_document.txt)")
     p.set_defaults(func=run)
 
 
@@ -43,11 +47,14 @@ def start_server(model: str | None, threads: int) -> tuple[subprocess.Popen, str
     return start_process(cmd, url + "/models", "server", threads), url
 
 
-def one_request(client: Any, model: str, prompt: str, knobs: dict, max_tokens: int) -> dict[str, Any]:
-    """A streamed chat completion: text, answer tokens, NFE, client-side TTFT and latency."""
+def one_request(client: Any, model: str, prompt: str, knobs: dict, max_tokens: int,
+                system: str | None = None) -> dict[str, Any]:
+    """A streamed chat completion: text, answer tokens, NFE, prompt tokens from the prefix cache, client-side TTFT
+    and latency."""
     t0 = time.perf_counter()
     ttft, text, usage = None, "", None
-    stream = client.chat.completions.create(model=model, messages=[{"role": "user", "content": prompt}],
+    messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
+    stream = client.chat.completions.create(model=model, messages=messages,
                                             max_tokens=max_tokens, stream=True, stream_options={"include_usage": True},
                                             extra_body={**knobs, "temperature": 0})
     for ch in stream:
@@ -57,7 +64,9 @@ def one_request(client: Any, model: str, prompt: str, knobs: dict, max_tokens: i
         if ch.usage is not None:
             usage = ch.usage
     latency = time.perf_counter() - t0
+    details = usage.prompt_tokens_details
     return {"prompt": prompt, "text": text, "tokens": usage.completion_tokens, "nfe": usage.model_extra["nfe"],
+            "cached_tokens": details.cached_tokens if details is not None else None,
             "ttft": ttft if ttft is not None else latency, "latency": latency}
 
 
@@ -73,7 +82,8 @@ def summarize(reqs: list[dict[str, Any]], wall: float) -> dict[str, Any]:
     return {"requests": len(reqs), "wall_s": round(wall, 3), "answer_tokens": tokens,
             "tokens_per_second": round(tokens / wall, 3) if wall > 0 else 0.0,
             "ttft_p50_s": round(percentile(ttfts, 0.5), 3), "ttft_p95_s": round(percentile(ttfts, 0.95), 3),
-            "latency_p50_s": round(percentile([r["latency"] for r in reqs], 0.5), 3), "requests_detail": reqs}
+            "latency_p50_s": round(percentile([r["latency"] for r in reqs], 0.5), 3),
+            "cached_tokens": sum(r.get("cached_tokens") or 0 for r in reqs), "requests_detail": reqs}
 
 
 def compare(alones: list[dict[str, Any]], togethers: list[dict[str, Any]], alone: dict[str, Any],
@@ -97,7 +107,8 @@ def combine(runs: list[dict[str, Any]]) -> dict[str, Any]:
             "per_repeat_tokens_per_second": [r["tokens_per_second"] for r in runs], "nfe": sum(r["nfe"] for r in reqs)}
 
 
-def phase(url: str, model: str, jobs: list[list[str]], knobs: dict, max_tokens: int) -> dict[str, Any]:
+def phase(url: str, model: str, jobs: list[list[str]], knobs: dict, max_tokens: int,
+          system: str | None = None) -> dict[str, Any]:
     """Each inner list is one client's prompts (sent in turn); all clients start together."""
     import openai
 
@@ -110,7 +121,7 @@ def phase(url: str, model: str, jobs: list[list[str]], knobs: dict, max_tokens: 
         start.wait()
         try:
             for p in jobs[i]:
-                out[i].append(one_request(c, model, p, knobs, max_tokens))
+                out[i].append(one_request(c, model, p, knobs, max_tokens, system))
         except BaseException as e:  # noqa: BLE001 - re-raised below
             errors.append(e)
 
@@ -138,17 +149,18 @@ def run(args: argparse.Namespace) -> int:
     prompts = prompts_for(args.prompts, args.clients)
     if prompts is None:
         return 2
+    system = Path(args.system).read_text(encoding="utf-8").strip() if args.system else None
     with running(args.url, lambda: start_server(args.model, args.threads)) as url:
         info = httpx.get(url + "/models", timeout=10).json()["data"][0]
         load_before = os.getloadavg()
         results = []
         for name in names:
             knobs = SETTINGS[name]
-            phase(url, info["id"], [[prompts[0]]], knobs, args.max_tokens)  # warm-up
+            phase(url, info["id"], [[prompts[0]]], knobs, args.max_tokens)  # warm-up (no system message: cold cache)
             alones, togethers = [], []
             for _ in range(args.repeats):
-                alones.append(phase(url, info["id"], [prompts], knobs, args.max_tokens))
-                togethers.append(phase(url, info["id"], [[p] for p in prompts], knobs, args.max_tokens))
+                alones.append(phase(url, info["id"], [prompts], knobs, args.max_tokens, system))
+                togethers.append(phase(url, info["id"], [[p] for p in prompts], knobs, args.max_tokens, system))
             alone, together = combine(alones), combine(togethers)
             row = {"setting": name, "knobs": knobs, "one_client": alone, "concurrent": together,
                    **compare(alones, togethers, alone, together)}
@@ -156,7 +168,8 @@ def run(args: argparse.Namespace) -> int:
             print(f"{name}: 1 client {alone['tokens_per_second']:.2f} tok/s (TTFT p50 {alone['ttft_p50_s']:.2f} s), "
                   f"{args.clients} clients "
                   f"{together['tokens_per_second']:.2f} tok/s ({row['aggregate_speedup']:.2f}x), TTFT p50/p95 "
-                  f"{together['ttft_p50_s']:.2f}/{together['ttft_p95_s']:.2f} s, same answers: {row['same_answers']}",
+                  f"{together['ttft_p50_s']:.2f}/{together['ttft_p95_s']:.2f} s, same answers: {row['same_answers']}, prompt "
+                  f"tokens from the prefix cache {alone['cached_tokens']} / {together['cached_tokens']}",
                   file=sys.stderr)
         out = Path(args.out)
         write_json(out / "results.json", {

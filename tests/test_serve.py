@@ -428,14 +428,18 @@ def test_app_py_engine_url_builds_the_studio_on_the_server(api, monkeypatch):
 
 
 def test_bench_serve_writes_its_results(api, tmp_path):
-    """`python -m bench serve --url`: both phases, the ratio and the same-answers check land in results.json."""
+    """`python -m bench serve --url`: both phases, the ratio and the same-answers check land in results.json; with
+    `--system` every request carries the shared document, whose chunks the server's prefix cache serves."""
     import json
 
     from bench.__main__ import main
 
     assert main(["serve", "--url", api.url, "--clients", "2", "--repeats", "1", "--max-tokens", "3",
-                 "--settings", "ar", "--out", str(tmp_path)]) == 0
+                 "--settings", "ar", "--out", str(tmp_path), "--system", "bench/data/system_document.txt"]) == 0
     [r] = json.loads((tmp_path / "results.json").read_text())["results"]
     assert r["setting"] == "ar" and r["same_answers"] and r["aggregate_speedup"] > 0
     assert r["one_client"]["requests"] == r["concurrent"]["requests"] == 2
     assert r["concurrent"]["answer_tokens"] == r["one_client"]["answer_tokens"] > 0
+    # the ~715-token document: its first two 256-token chunks come from the cache in every request after the first
+    assert [q["cached_tokens"] for q in r["concurrent"]["requests_detail"]] == [512, 512]
+    assert r["concurrent"]["cached_tokens"] == 1024
