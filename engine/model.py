@@ -61,36 +61,69 @@ def whole_key_quanta(n: int) -> int:
 
 
 class KVCache:
-    """Preallocated K/V for every layer: [layers, batch, kv_heads, max_len, head_dim]."""
+    """Preallocated K/V for every layer: [layers, batch, kv_heads, max_len, head_dim].
+
+    `k` / `v` are views of the first `batch` rows of a storage (`store_k` / `store_v`) that may hold spare rows:
+    rows that join a running batch are copied into spare rows and rows that finish are replaced by the batch's last
+    rows (`merged`, `compact`), so continuous batching copies the rows that move, not the whole batch's K/V at every
+    join and every finish (which, for 16 clients of ~750-token prompts, was 40 % of the decoding thread's time)."""
 
     def __init__(self, cfg: ModelConfig, batch: int, max_len: int, device: torch.device, dtype: torch.dtype):
         max_len = whole_key_quanta(max_len)  # room for whole key quanta (see KEY_QUANTUM)
         shape = (cfg.num_hidden_layers, batch, cfg.num_key_value_heads, max_len, cfg.head_dim)
-        self.k = torch.zeros(shape, device=device, dtype=dtype)
-        self.v = torch.zeros(shape, device=device, dtype=dtype)
+        self.store_k = self.k = torch.zeros(shape, device=device, dtype=dtype)
+        self.store_v = self.v = torch.zeros(shape, device=device, dtype=dtype)
         self.max_len = max_len
 
+    def _view(self, rows: int) -> None:
+        self.k, self.v = self.store_k[:, :rows], self.store_v[:, :rows]
+
     def keep_rows(self, rows: Tensor) -> None:
-        """Drop finished rows so they cost nothing in later forwards."""
-        self.k = self.k.index_select(1, rows)
-        self.v = self.v.index_select(1, rows)
+        """Keep these rows, in this order (compacted in place)."""
+        n = rows.numel()
+        self.store_k[:, :n] = self.k.index_select(1, rows)
+        self.store_v[:, :n] = self.v.index_select(1, rows)
+        self._view(n)
+
+    def compact(self, keep: list[int]) -> list[int]:
+        """Keep rows `keep` (ascending): each finished row among the first len(keep) is replaced by a kept row from
+        past them (one row copied per finished row, not every row after it). Returns the rows' new order: new row i
+        is old row order[i] (the caller reorders its per-row state the same way)."""
+        n, kept = len(keep), set(keep)
+        order = list(range(n))
+        for hole, tail in zip([i for i in range(n) if i not in kept], [i for i in keep if i >= n]):
+            order[hole] = tail
+            self.store_k[:, hole] = self.store_k[:, tail]
+            self.store_v[:, hole] = self.store_v[:, tail]
+        self._view(n)
+        return order
 
     def merged(self, other: "KVCache") -> "KVCache":
-        """This cache's rows, then other's (a scheduler admitting rows): both padded to the longer room."""
-        n = max(self.max_len, other.max_len)
-        pad = lambda t: F.pad(t, (0, 0, 0, n - t.shape[3]))  # noqa: E731
-        out = object.__new__(KVCache)
-        out.k = torch.cat([pad(self.k), pad(other.k)], dim=1)
-        out.v = torch.cat([pad(self.v), pad(other.v)], dim=1)
-        out.max_len = n
-        return out
+        """This cache's rows, then other's (a scheduler admitting rows), in this cache (returned): other's rows are
+        copied into spare rows, zeros past their room; the storage grows (twice the rows, the longer room) when it
+        must."""
+        b, n = self.k.shape[1], other.k.shape[1]
+        room = max(self.max_len, other.max_len)
+        if b + n > self.store_k.shape[1] or room > self.max_len:
+            shape = list(self.store_k.shape)
+            shape[1], shape[3] = max(b + n, 2 * b), room
+            k, v = self.store_k.new_zeros(shape), self.store_v.new_zeros(shape)
+            k[:, :b, :, :self.max_len] = self.k
+            v[:, :b, :, :self.max_len] = self.v
+            self.store_k, self.store_v, self.max_len = k, v, room
+        t = other.max_len
+        for store, new in ((self.store_k, other.k), (self.store_v, other.v)):
+            store[:, b:b + n, :, :t] = new
+            store[:, b:b + n, :, t:] = 0  # a spare row may hold a finished row's K/V
+        self._view(b + n)
+        return self
 
     def take(self, rows: Tensor, length: int) -> "KVCache":
         """A compact copy of some rows' first `length` positions (whole key quanta): a forward of only those rows
         of a batch (engine/decode/diffusion.py), whose new K/V `put` then copies back."""
         out = object.__new__(KVCache)
-        out.k = self.k[:, rows, :, :length]
-        out.v = self.v[:, rows, :, :length]
+        out.store_k = out.k = self.k[:, rows, :, :length]
+        out.store_v = out.v = self.v[:, rows, :, :length]
         out.max_len = length
         return out
 

@@ -351,15 +351,18 @@ def test_sampled_confidences_are_the_tempered_nucleus_and_rows_reproduce(mode):
     summaries = drive(dec, prompts)
     if mode == "ar":  # rows of unequal length are prefilled one at a time (ar.py): their logits as one batch's
         rec.logits[:len(prompts)] = [torch.cat(rec.logits[:len(prompts)])]
-    # one forward a step here (AR, or the block cache: every row's window is a whole block), every live row in it in
-    # batch order: a row's event with nfe k is its row's slot in forward k - 1 among the rows that reached k forwards
+    # one forward a step here (AR, or the block cache: every row's window is a whole block), every live row in it: a
+    # row's event with nfe k comes from forward k - 1, at the row's place in that forward's batch, which is the order
+    # the forward's events were emitted in (a finished row's place is taken by the batch's last row, KVCache.compact)
     forwards = {i: sum(e.kind != "done" for e in log.by_row[i]) for i in range(len(prompts))}
     assert len(rec.logits) == max(forwards.values())
+    live = [e for e in log.order if e.kind != "done"]
+    place = {id(e): [x.row for x in live if x.nfe == e.nfe].index(e.row) for e in live}
     drawn = shown = 0
     for e in log.order:
         if e.kind == "done":
             continue
-        b = [i for i in range(len(prompts)) if forwards[i] >= e.nfe].index(e.row)
+        b = place[id(e)]
         logits = rec.logits[e.nfe - 1][b].float().clone()
         logits[..., MASK] = float("-inf")
         if mode == "ar":

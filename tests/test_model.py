@@ -211,18 +211,36 @@ def test_kv_cache_row_operations(tiny):
     kept.keep_rows(torch.tensor([2, 0]))
     assert kept.k.shape[1] == 2 and torch.equal(kept.k, full.k[:, [2, 0]]) and torch.equal(kept.v, full.v[:, [2, 0]])
     torch.testing.assert_close(ours(ids[[2, 0], 16:17], pos[:2, 16:17], kept, start=16), ref[[2, 0], 16:17], **TOL)
-    # merged: a cache with more room first, a shorter one appended
-    a, b = KVCache(ours.cfg, 2, 64, CPU, torch.float32), KVCache(ours.cfg, 1, 20, CPU, torch.float32)
-    ours(ids[:2, :16], pos[:2, :16], a, start=0, causal=True)
-    ours(ids[2:, :16], pos[2:, :16], b, start=0, causal=True)
-    for first, second in ((a, b), (b, a)):
+    # merged: a cache with more room first, a shorter one appended (in place: the first cache holds both after)
+    def pair():
+        a, b = KVCache(ours.cfg, 2, 64, CPU, torch.float32), KVCache(ours.cfg, 1, 20, CPU, torch.float32)
+        ours(ids[:2, :16], pos[:2, :16], a, start=0, causal=True)
+        ours(ids[2:, :16], pos[2:, :16], b, start=0, causal=True)
+        return a, b
+
+    for swap in (False, True):
+        a, b = pair()
+        first, second = (b, a) if swap else (a, b)
+        fk, sv, fl, sl, fn = first.k.clone(), second.v.clone(), first.max_len, second.max_len, first.k.shape[1]
         m = first.merged(second)
-        assert m.max_len == 64 and m.k.shape == (2, 3, 2, 64, 16) and m.v.shape == m.k.shape
-        assert torch.equal(m.k[:, :first.k.shape[1], :, :first.max_len], first.k)
-        assert torch.equal(m.v[:, first.k.shape[1]:, :, :second.max_len], second.v)
+        assert m is first and m.max_len == 64 and m.k.shape == (2, 3, 2, 64, 16) and m.v.shape == m.k.shape
+        assert torch.equal(m.k[:, :fn, :, :fl], fk) and torch.equal(m.v[:, fn:, :, :sl], sv)
         assert not m.k[:, :, :, 32:].any() and not m.v[:, :, :, 32:].any()
+    a, b = pair()
     m = a.merged(b)
     torch.testing.assert_close(ours(ids[:, 16:17], pos[:, 16:17], m, start=16), ref[:, 16:17], **TOL)
+    # compact: finished rows' places taken by the last rows, one row copied per finished row; a later join lands in a
+    # spare row (no new storage) whose old contents are cleared past the joining row's room
+    before_k = m.k.clone()
+    assert m.compact([1, 2]) == [2, 1]  # row 0 finished: the last row (2) moves into its place
+    assert m.k.shape[1] == 2 and torch.equal(m.k, before_k[:, [2, 1]])
+    store = m.store_k
+    c = KVCache(ours.cfg, 1, 20, CPU, torch.float32)
+    ours(ids[:1, :16], pos[:1, :16], c, start=0, causal=True)
+    m.merged(c)
+    assert m.store_k is store and m.k.shape[1] == 3 and torch.equal(m.k[:, 2, :, :c.max_len], c.k[:, 0])
+    assert not m.k[:, 2, :, c.max_len:].any()  # the finished row 2's old K/V there are gone
+    torch.testing.assert_close(ours(ids[[2, 1, 0], 16:17], pos[:, 16:17], m, start=16), ref[[2, 1, 0], 16:17], **TOL)
     # take / put: row 1 alone over its first 32 positions, its new K/V copied back
     part = full.take(torch.tensor([1]), 32)
     assert part.max_len == 32 and part.k.shape == (2, 1, 2, 32, 16) and torch.equal(part.v, full.v[:, [1], :, :32])

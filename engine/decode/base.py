@@ -336,10 +336,12 @@ class Decoder:
                 r.summary = self._summary(r)
         if len(keep) == len(live):
             return batch
-        idx = torch.tensor(keep, dtype=torch.long, device=self.device)
-        if batch.cache is not None and keep:
-            batch.cache.keep_rows(idx)
-        return Batch([live[i] for i in keep], batch.seq.index_select(0, idx) if keep else batch.seq[:0], batch.cache)
+        if not keep:
+            return Batch([], batch.seq[:0], batch.cache)
+        # the cache fills finished rows' places with the last rows (KVCache.compact); rows and seq follow its order
+        order = batch.cache.compact(keep) if batch.cache is not None else keep
+        idx = torch.tensor(order, dtype=torch.long, device=self.device)
+        return Batch([live[i] for i in order], batch.seq.index_select(0, idx), batch.cache)
 
     def _cancelled(self, live: list[Row]) -> bool:
         if self.cancel is not None and self.cancel.is_set():
