@@ -75,11 +75,6 @@ class StaticKVCache(KVCache):
         self.store_v[:, :n] = self.store_v[:, :self.v.shape[1]].index_select(1, rows)
         self.k, self.v = self.store_k[:, :n], self.store_v[:, :n]
 
-    def compact(self, keep: list[int]) -> list[int]:
-        """Rows in their order (the stepper's shapes and graphs are per row bucket, not per row)."""
-        self.keep_rows(torch.tensor(keep, dtype=torch.long, device=self.store_k.device))
-        return keep
-
 
 @dataclass
 class _Shape:
