@@ -328,7 +328,8 @@ class Decoder:
         return Batch((a.rows if a else []) + b.rows, seq, cache)
 
     def _retire(self, batch: Batch) -> Batch:
-        """Finished rows leave the batch (their summary is kept)."""
+        """Finished rows leave the batch (their summary is kept); the cache fills their places with its last rows
+        (KVCache.compact), and the rows and sequences follow its order."""
         live = batch.rows
         keep = [i for i, r in enumerate(live) if not r.done]
         for r in live:
@@ -336,10 +337,7 @@ class Decoder:
                 r.summary = self._summary(r)
         if len(keep) == len(live):
             return batch
-        if not keep:
-            return Batch([], batch.seq[:0], batch.cache)
-        # the cache fills finished rows' places with the last rows (KVCache.compact); rows and seq follow its order
-        order = batch.cache.compact(keep) if batch.cache is not None else keep
+        order = batch.cache.compact(keep) if batch.cache is not None and keep else keep
         idx = torch.tensor(order, dtype=torch.long, device=self.device)
         return Batch([live[i] for i in order], batch.seq.index_select(0, idx), batch.cache)
 
