@@ -29,6 +29,7 @@ from .static import StaticStepper
 # 1,536 positions instead of 1,088, 2.49 s instead of 1.74 on the bundled model), and an extra forward costs about
 # what 8 positions do (bench/results/prepack/README.md).
 PREFILL_BUCKET = 32
+PREFILL_GRAIN_CPU = 64  # a chunked prefill's forwards on a CPU (Scheduler.prefill_grain)
 
 
 class Engine(Protocol):
@@ -58,13 +59,17 @@ class Driver:
     """Continuous batching over one Engine: thread-safe submit(), one worker thread running the Scheduler's plans."""
 
     def __init__(self, engine: Engine, max_batch: int = MAX_BATCH, max_waiting: int = MAX_WAITING,
-                 prefill_chunk: int = PREFILL_CHUNK, prefix_cache_mib: int = PREFIX_CACHE_MIB):
+                 prefill_chunk: int = PREFILL_CHUNK, prefix_cache_mib: int = PREFIX_CACHE_MIB,
+                 prefill_grain: int | None = None):
         if not 0 <= prefix_cache_mib <= 1 << 20:
             raise ValueError(f"prefix_cache_mib: {prefix_cache_mib} must be in [0, {1 << 20}] (0: no prefix cache)")
         self.engine = engine
-        self.scheduler = Scheduler(max_batch, max_waiting, prefill_chunk)
-        # K/V of prompt chunks already prefilled, for later prompts that start with them (engine/prefix_cache.py)
-        self.prefixes = PrefixCache(prefix_cache_mib << 20, prefill_chunk) if prefix_cache_mib else None
+        if prefill_grain is None:  # CPU: a 64-wide forward costs about what 64 positions of a wider one do, so the
+            # prefix cache gets a fine grain for free (bench/results/prefix_cache); a GPU pays per forward
+            prefill_grain = min(PREFILL_GRAIN_CPU, prefill_chunk) if engine.lm.device.type == "cpu" else prefill_chunk
+        self.scheduler = Scheduler(max_batch, max_waiting, prefill_chunk, prefill_grain)
+        # K/V of prompt grains already prefilled, for later prompts that start with them (engine/prefix_cache.py)
+        self.prefixes = PrefixCache(prefix_cache_mib << 20, prefill_grain) if prefix_cache_mib else None
         self.batches: dict[tuple, Running] = {}  # batch key -> its running batch
         self.opened: dict[Ticket, Running] = {}  # chunked prefills: each long prompt's row until its final piece
         # batches of different keys take turns and each keeps its rows' K/V in its own stepper's storage
@@ -178,24 +183,26 @@ class Driver:
             self._fail([t], exc)
 
     def _chunk(self, p: Prefill, start: int, end: int) -> None:
-        run = self.opened[p.ticket]
+        run, grain = self.opened[p.ticket], self.scheduler.prefill_grain
         try:
             if start == 0 and self.prefixes is not None:
-                # the row's first piece: the chunks an earlier prompt with the same start prefilled are copied, not
+                # the row's first piece: the grains an earlier prompt with the same start prefilled are copied, not
                 # run again. Looked up now, not when the row opened: a prompt sent together with an identical one
-                # (n > 1, a shared document) finds the chunks the other's prefill saved before it.
+                # (n > 1, a shared document) finds the grains the other's prefill saved before it.
                 got = self.prefixes.restore(self._scope(run.decoder), p.ticket.ids, p.limit, run.batch.cache)
-                if got:
-                    run.batch.rows[0].cached = p.done = got  # the scheduler's next piece starts there
+                run.batch.rows[0].cached = got
+                if got >= end:
+                    p.done = got  # the scheduler's next piece starts there
                     return
-            run.decoder.prefill_chunk(run.batch, start, end)
-            if self.prefixes is not None:
-                self.prefixes.save(self._scope(run.decoder), p.ticket.ids, start, run.batch.cache)
+                start = got
+            for lo in range(start, end, grain):  # one forward per grain: the grid the cached K/V depend on
+                run.decoder.prefill_chunk(run.batch, lo, lo + grain)
+                self.forwards += 1
+                if self.prefixes is not None:
+                    self.prefixes.save(self._scope(run.decoder), p.ticket.ids, lo, run.batch.cache)
         except Exception as exc:  # noqa: BLE001 - this request fails; the running batches go on
             del self.opened[p.ticket]
             self._fail([p.ticket], exc)
-            return
-        self.forwards += 1
 
     def _join(self, key: tuple, ts: list[Ticket], opened: Running | None = None, cached: int = 0,
               dec: Decoder | None = None) -> None:

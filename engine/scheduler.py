@@ -110,10 +110,16 @@ class Plan:
 class Scheduler:
     """Admission, grouping by batch key, chunked-prefill order and delivery; the driver runs what it decides."""
 
-    def __init__(self, max_batch: int = MAX_BATCH, max_waiting: int = MAX_WAITING, prefill_chunk: int = PREFILL_CHUNK):
-        if prefill_chunk < 64 or prefill_chunk % 64:
-            raise ValueError(f"prefill_chunk: {prefill_chunk} must be a multiple of 64 (every block size divides it)")
+    def __init__(self, max_batch: int = MAX_BATCH, max_waiting: int = MAX_WAITING, prefill_chunk: int = PREFILL_CHUNK,
+                 prefill_grain: int | None = None):
+        """prefill_chunk: a longer prompt is prefilled this many positions a pass; prefill_grain (default: the chunk):
+        in forwards of this many, so a pass's chunk is several forwards (the prefix cache reuses whole grains)."""
+        grain = prefill_chunk if prefill_grain is None else prefill_grain
+        if prefill_chunk < 64 or prefill_chunk % 64 or grain < 64 or grain % 64 or prefill_chunk % grain:
+            raise ValueError(f"prefill_chunk {prefill_chunk} and prefill_grain {grain}: multiples of 64 (every block "
+                             "size divides them), the grain dividing the chunk")
         self.max_batch, self.max_waiting, self.prefill_chunk = max_batch, max_waiting, prefill_chunk
+        self.prefill_grain = grain
         self.waiting: deque[Ticket] = deque()
         self.groups: dict[tuple, list[Ticket]] = {}  # each key's batch: its rows, those joining this pass included
         self.prefills: deque[Prefill] = deque()  # long prompts, one chunk a pass, first come first served
@@ -169,13 +175,14 @@ class Scheduler:
         if p.ticket.stop.is_set():  # cancelled mid-prefill: no answer was started
             self.prefills.popleft()
             plan.unstarted.append(p.ticket)
-        elif p.limit - p.done <= self.prefill_chunk:
+        elif p.limit - p.done <= self.prefill_grain:
             self.prefills.popleft()
             self.groups.setdefault(p.key, []).append(p.ticket)
             plan.final = p
-        else:
-            plan.chunk = (p, p.done, p.done + self.prefill_chunk)
-            p.done += self.prefill_chunk
+        else:  # whole grains while the rest is longer than one (the grid a prompt's K/V depend on), a chunk's worth
+            n = min(self.prefill_chunk, (p.limit - p.done - 1) // self.prefill_grain * self.prefill_grain)
+            plan.chunk = (p, p.done, p.done + n)
+            p.done += n
 
     def retire(self) -> None:
         """Requests whose row left its batch get their Result; a key with no rows left has no batch."""

@@ -153,7 +153,8 @@ def test_cli_chat_reuses_the_history_and_says_so():
     assert r.returncode == 0, r.stderr
     stats = [ln for ln in r.stderr.splitlines() if "tokens/forward" in ln]
     assert len(stats) == 2 and "prefix cache" not in stats[0] and "first token" in stats[0]
-    assert re.search(r"· 256 prompt tokens from the prefix cache\]$", stats[1]), stats[1]
+    got = re.search(r"· (\d+) prompt tokens from the prefix cache\]$", stats[1])
+    assert got and int(got[1]) % 64 == 0 and int(got[1]) >= 320, stats[1]  # whole 64-token grains (the CPU's)
 
 
 def test_bf16_model_keeps_fp32_rotary_angles(tiny_fast_dllm):

@@ -36,22 +36,27 @@ def tb():
 
 
 # ---------------------------------------------------------------- which chunks may be reused
-@pytest.mark.parametrize("chunk", [64, 256])
-def test_reusable_chunks_are_the_schedulers_chunk_pieces(chunk):
-    """For every limit, reusable() counts exactly the pieces the real scheduler cuts before its final piece."""
+@pytest.mark.parametrize("chunk,grain", [(64, 64), (256, 256), (256, 64)])
+def test_reusable_grains_are_the_schedulers_chunk_pieces(chunk, grain):
+    """For every limit, reusable() counts exactly the grains the real scheduler plans (a pass's chunk is at most
+    `chunk` positions of whole grains, the driver running one forward per grain) before its final piece."""
     for limit in range(1, 5 * chunk + 3):
-        s = Scheduler(prefill_chunk=chunk)
+        s = Scheduler(prefill_chunk=chunk, prefill_grain=grain)
         p = Prefill(("k",), Ticket([0], DecodeConfig(), None, None), limit=limit)
         s.prefills.append(p)
-        pieces = []
+        grains, done = [], 0
         while True:
             plan = Plan()
             s._next_piece(plan)
             if plan.final is not None:
                 break
-            pieces.append(plan.chunk[1:])
-        assert pieces == [(i * chunk, (i + 1) * chunk) for i in range(len(pieces))]
-        assert reusable(limit, chunk) == len(pieces), limit
+            _, start, end = plan.chunk
+            assert start == done and 0 < end - start <= chunk and (end - start) % grain == 0
+            grains += [(lo, lo + grain) for lo in range(start, end, grain)]
+            done = end
+        assert grains == [(i * grain, (i + 1) * grain) for i in range(len(grains))]
+        assert limit - done <= grain  # the final piece: at most a grain of prompt blocks, then the prompt's tail
+        assert reusable(limit, grain) == len(grains), limit
 
 
 # ---------------------------------------------------------------- decoder level, bit for bit
@@ -263,8 +268,8 @@ def test_the_engines_scheduler_reads_its_runtime_switch(engine, monkeypatch):
 
 
 def test_the_engines_scheduler_reads_its_prefill_chunk_switch(engine, monkeypatch):
-    """FASTDLLM_PREFILL_CHUNK sets the chunk (and the cache's grain) of the engine's scheduler; not a multiple of 64
-    is refused naming the switch."""
+    """FASTDLLM_PREFILL_CHUNK sets the chunk of the engine's scheduler (on a CPU its forwards, and the cache's grain,
+    stay 64 positions); not a multiple of 64 is refused naming the switch."""
     from dataclasses import replace
 
     from engine import Engine
@@ -272,7 +277,7 @@ def test_the_engines_scheduler_reads_its_prefill_chunk_switch(engine, monkeypatc
 
     e = Engine(engine.lm, runtime=replace(engine.runtime, prefill_chunk=128))
     try:
-        assert e.scheduler.prefill_chunk == 128 and e.scheduler.prefixes.chunk == 128
+        assert e.scheduler.prefill_chunk == 128 and e.scheduler.prefixes.chunk == e.scheduler.scheduler.prefill_grain == 64
     finally:
         e.close_scheduler()
     monkeypatch.setenv("FASTDLLM_PREFILL_CHUNK", "100")

@@ -440,6 +440,7 @@ def test_bench_serve_writes_its_results(api, tmp_path):
     assert r["setting"] == "ar" and r["same_answers"] and r["aggregate_speedup"] > 0
     assert r["one_client"]["requests"] == r["concurrent"]["requests"] == 2
     assert r["concurrent"]["answer_tokens"] == r["one_client"]["answer_tokens"] > 0
-    # the ~715-token document: its first two 256-token chunks come from the cache in every request after the first
-    assert [q["cached_tokens"] for q in r["concurrent"]["requests_detail"]] == [512, 512]
-    assert r["concurrent"]["cached_tokens"] == 1024
+    # the ~715-token document: its whole 64-token grains (the CPU's) come from the cache in every request after the
+    # first
+    cached = [q["cached_tokens"] for q in r["concurrent"]["requests_detail"]]
+    assert cached[0] == cached[1] >= 640 and cached[0] % 64 == 0 and r["concurrent"]["cached_tokens"] == 2 * cached[0]
