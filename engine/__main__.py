@@ -227,7 +227,7 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--max-batch", type=int, default=16, help="rows decoded together per setting; more requests wait")
     s.add_argument("--prefill-chunk", type=int, default=None,
                    help="a longer prompt is prefilled this many tokens per pass, between the other requests' forwards "
-                        "(chunked prefill), also the prefix cache's grain; a multiple of 64 (default: "
+                        "(chunked prefill; on a CPU in forwards of 64, the prefix cache's grain); a multiple of 64 (default: "
                         f"FASTDLLM_PREFILL_CHUNK, else {PREFILL_CHUNK})")
     s.add_argument("--prefix-cache-mib", type=int, default=None, metavar="MIB",
                    help="memory for the K/V of prompt chunks already prefilled, reused by prompts that start with the "

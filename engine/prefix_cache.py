@@ -1,18 +1,20 @@
 """Prefix caching: K/V of prompt chunks already prefilled, copied into later prompts that start with the same tokens
 (vLLM's automatic prefix caching, SGLang's radix cache), without changing a bit of any answer.
 
-Why it is exact: the scheduler prefills a prompt longer than `prefill_chunk` (C) in pieces on a fixed grid from
-position 0, [0, C), [C, 2C), ..., each a one-row forward of its own over keys [0, end), then one final forward for the
-rest (engine/scheduler.py). Chunk k's K/V therefore depend only on the prompt's first (k + 1) C tokens, the model and
+Why it is exact: the scheduler prefills a prompt longer than `prefill_chunk` in pieces on a fixed grid of `chunk` (C:
+the scheduler's prefill_grain, 64 positions on a CPU) from position 0, [0, C), [C, 2C), ..., each a one-row forward of
+its own over keys [0, end), then one final forward for the rest (engine/scheduler.py, engine/driver.py). Piece k's K/V
+therefore depend only on the prompt's first (k + 1) C tokens, the model and
 the prompt's attention rule (causal for AR, block-causal of its block size for diffusion), so a later prompt that
 starts with the same tokens gets the same K/V bit for bit whether it computes them or copies them from here. Only
 chunks its own prefill would run as chunk pieces are reused (`reusable`): the final piece's span never comes from
-here, so a hit skips forwards and never changes one. Prompts of at most C + 1 tokens are prefilled in one forward and
-neither read nor fill the cache.
+here, so a hit skips forwards and never changes one. Prompts of at most prefill_chunk + 1 tokens are prefilled in one
+forward and neither read nor fill the cache.
 
 What it buys: a conversation's next turn re-sends the whole history; its prefill then runs only from the last whole
-chunk the previous turn prefilled (a six-turn chat on the bundled model, one CPU thread: first tokens 2.2-4.6x sooner
-from turn 2 on; bench/results/prefix_cache/). So do requests that share a long system prompt or document.
+grain the previous turn prefilled (a six-turn chat on the bundled model, one CPU thread: first tokens 4-8x sooner
+from turn 2 on; bench/results/prefix_cache/). So do requests that share a long system prompt or document (16 API
+clients with one ~715-token handbook: 109 AR tokens/s together against 15-16 without it, serve_system/).
 
 Keys: a chain digest (blake2b of the scope, the parent chunk's digest and the chunk's tokens), the chunk's tokens kept
 beside it for an exact check. Memory: at most `capacity` bytes of K/V, least recently used first out; a lookup or a

@@ -68,7 +68,7 @@ class Runtime:
     static: bool | None = None  # FASTDLLM_STATIC: static-shape steps (None: on for CUDA, off for CPU)
     graphs: bool = True  # FASTDLLM_GRAPHS: CUDA graph capture of static steps
     compile: bool = False  # FASTDLLM_COMPILE: torch.compile the static step's layer
-    # FASTDLLM_PREFILL_CHUNK: the scheduler's chunked-prefill size and prefix-cache grain, a multiple of 64 (None: 256)
+    # FASTDLLM_PREFILL_CHUNK: positions a chunked prefill takes per scheduler pass, a multiple of 64 (None: 256)
     prefill_chunk: int | None = None
     # FASTDLLM_PREFIX_CACHE_MIB: K/V of prompt chunks kept for prompts that start with them (None: 512; 0: off)
     prefix_cache_mib: int | None = None
