@@ -90,7 +90,7 @@ def main(args: argparse.Namespace) -> int:
                        ("short_total_s", "short total s"), ("long_ttft_s", "long TTFT s"),
                        ("long_total_median_s", "long total s (median)")]))
     report = {"command": "python -m bench stall " + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()
-                                                            if k not in ("func",) and v is not None),
+                                                            if k not in ("func", "command") and v is not None),
               "long_prompt_tokens": len(long_ids), "short_prompt_tokens": len(short_ids), "mode": args.mode,
               "cache": args.cache, "delay_s": args.delay, "rounds": args.rounds, "order": "interleaved by round",
               "env": environment(engine), "rows": rows}
