@@ -25,7 +25,11 @@ class KVCache:
     `k` / `v` are views of the first `batch` rows of a storage (`store_k` / `store_v`) that may hold spare rows:
     rows that join a running batch are copied into spare rows and rows that finish are replaced by the batch's last
     rows (`merged`, `compact`), so continuous batching copies the rows that move, not the whole batch's K/V at every
-    join and every finish (which, for 16 clients of ~750-token prompts, was 40 % of the decoding thread's time)."""
+    join and every finish (which, for 16 clients of ~750-token prompts, was 40 % of the decoding thread's time).
+    The spare rows are bounded: half the rows (at least the joining ones) when the storage grows, and a storage
+    at most a quarter used is cut back, so memory follows the batch."""
+
+    resizable = True  # engine/static.py's cache is a view of a stepper's storage, whose addresses must stay
 
     def __init__(self, cfg: ModelConfig, batch: int, max_len: int, device: torch.device, dtype: torch.dtype):
         max_len = whole_key_quanta(max_len)  # room for whole key quanta (see KEY_QUANTUM)
@@ -36,6 +40,17 @@ class KVCache:
 
     def _view(self, rows: int) -> None:
         self.k, self.v = self.store_k[:, :rows], self.store_v[:, :rows]
+
+    def _resize(self, rows: int, room: int) -> None:
+        """New storage of `rows` rows and `room` positions holding the live rows (zeros elsewhere)."""
+        b, shape = self.k.shape[1], list(self.store_k.shape)
+        shape[1], shape[3] = rows, room
+        k, v = self.store_k.new_zeros(shape), self.store_v.new_zeros(shape)
+        t = min(room, self.max_len)
+        k[:, :b, :, :t] = self.k[:, :, :, :t]
+        v[:, :b, :, :t] = self.v[:, :, :, :t]
+        self.store_k, self.store_v, self.max_len = k, v, room
+        self._view(b)
 
     def keep_rows(self, rows: Tensor) -> None:
         """Keep these rows, in this order (compacted in place)."""
@@ -55,21 +70,18 @@ class KVCache:
             self.store_k[:, hole] = self.store_k[:, tail]
             self.store_v[:, hole] = self.store_v[:, tail]
         self._view(n)
+        if self.resizable and self.store_k.shape[1] > 8 and 4 * n <= self.store_k.shape[1]:
+            self._resize(2 * n, self.max_len)  # most rows finished: give their memory back
         return order
 
     def merged(self, other: "KVCache") -> "KVCache":
         """This cache's rows, then other's (a scheduler admitting rows), in this cache (returned): other's rows are
-        copied into spare rows, zeros past their room; the storage grows (twice the rows, the longer room) when it
-        must."""
+        copied into spare rows, zeros past their room; the storage grows (half again the rows needed, at least
+        the joining ones again; the longer room) when it must."""
         b, n = self.k.shape[1], other.k.shape[1]
         room = max(self.max_len, other.max_len)
         if b + n > self.store_k.shape[1] or room > self.max_len:
-            shape = list(self.store_k.shape)
-            shape[1], shape[3] = max(b + n, 2 * b), room
-            k, v = self.store_k.new_zeros(shape), self.store_v.new_zeros(shape)
-            k[:, :b, :, :self.max_len] = self.k
-            v[:, :b, :, :self.max_len] = self.v
-            self.store_k, self.store_v, self.max_len = k, v, room
+            self._resize(max(self.store_k.shape[1], b + n + max(n, (b + n) // 2)), room)
         t = other.max_len
         for store, new in ((self.store_k, other.k), (self.store_v, other.v)):
             store[:, b:b + n, :, :t] = new

@@ -64,6 +64,8 @@ class StaticKVCache(KVCache):
     """A view of the first `batch` rows of the stepper's storage: addresses stay fixed across decodes, so
     captured graphs stay valid; finished rows leave by compacting in place, not by reallocating."""
 
+    resizable = False  # compact() keeps the storage: captured graphs hold its addresses
+
     def __init__(self, k: Tensor, v: Tensor, batch: int):  # noqa: D107 (no KVCache.__init__: no allocation)
         self.store_k, self.store_v = k, v
         self.k, self.v = k[:, :batch], v[:, :batch]

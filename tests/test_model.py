@@ -235,12 +235,20 @@ def test_kv_cache_row_operations(tiny):
     assert m.compact([1, 2]) == [2, 1]  # row 0 finished: the last row (2) moves into its place
     assert m.k.shape[1] == 2 and torch.equal(m.k, before_k[:, [2, 1]])
     store = m.store_k
+    assert store.shape[1] == 4  # 3 rows and one spare (half as many again, at least the joining row again)
     c = KVCache(ours.cfg, 1, 20, CPU, torch.float32)
     ours(ids[:1, :16], pos[:1, :16], c, start=0, causal=True)
+    m.store_k[:, 2].fill_(1.0)  # as if a finished row's K/V were still in the spare row
     m.merged(c)
     assert m.store_k is store and m.k.shape[1] == 3 and torch.equal(m.k[:, 2, :, :c.max_len], c.k[:, 0])
-    assert not m.k[:, 2, :, c.max_len:].any()  # the finished row 2's old K/V there are gone
+    assert not m.k[:, 2, :, c.max_len:].any()  # cleared past the joining row's room
     torch.testing.assert_close(ours(ids[[2, 1, 0], 16:17], pos[:, 16:17], m, start=16), ref[[2, 1, 0], 16:17], **TOL)
+    # a storage at most a quarter used gives its memory back, keeping the live rows
+    big = KVCache(ours.cfg, 12, 32, CPU, torch.float32)
+    big.k.normal_()
+    before = big.k[:, [3, 11]].clone()
+    assert big.compact([3, 11]) == [3, 11]  # rows 3 and 11 move into places 0 and 1
+    assert big.store_k.shape[1] == 4 and big.k.shape[1] == 2 and torch.equal(big.k, before)
     # take / put: row 1 alone over its first 32 positions, its new K/V copied back
     part = full.take(torch.tensor([1]), 32)
     assert part.max_len == 32 and part.k.shape == (2, 1, 2, 32, 16) and torch.equal(part.v, full.v[:, [1], :, :32])

@@ -52,6 +52,13 @@ def test_static_cache_is_reused_and_compacts_in_place(static_engine):
         cache.k[:, 2].fill_(7.0)
         cache.keep_rows(torch.tensor([2]))
     assert cache.k.shape[1] == 1 and cache.k.data_ptr() == ptr and bool((cache.k == 7.0).all())
+    many = stepper.new_cache(12, 100)  # what Decoder._retire calls: the last rows move in, the storage stays
+    ptr = stepper.k.data_ptr()  # (12 rows grew it to a larger row bucket)
+    with torch.inference_mode():
+        many.k[:, 11].fill_(5.0)
+        assert many.compact([11]) == [11]
+    assert many.k.shape[1] == 1 and many.store_k.data_ptr() == ptr and many.store_k is stepper.k
+    assert bool((many.k == 5.0).all())
     again = stepper.new_cache(2, 50)
     assert again.k.data_ptr() == ptr, "storage big enough: no reallocation"
     ids = torch.zeros((1, 5), dtype=torch.long)
