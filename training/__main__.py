@@ -1,4 +1,4 @@
-"""python -m training {distill,train,throughput,export,eval,ablation}: make the bundled Fast-dLLM v2 adapter.
+"""python -m training {distill,train,throughput,export,eval,probe,ablation}: make the bundled Fast-dLLM v2 adapter.
 
 Typical run (CPU, the bundled SmolLM2-135M base):
   python -m training distill --limit 800 --time-budget 900
@@ -100,6 +100,38 @@ def cmd_eval(a: argparse.Namespace) -> None:
     print(json.dumps(evaluate(EvalConfig(model=a.model, short=a.short, long=a.long, max_new_tokens=a.max_new_tokens,
                                          short_max_new_tokens=a.short_max_new_tokens,
                                          threshold=a.threshold, batch_size=a.batch_size, out=a.out)), indent=1))
+
+
+def cmd_probe(a: argparse.Namespace) -> None:
+    import dataclasses
+    import json
+
+    from engine import Engine
+    from engine.runtime import Runtime
+
+    from .probe import load_answers, make_answers, probe
+
+    _threads(a.threads)
+    runtime = Runtime.from_env()
+    if a.make_answers:  # the reference: the AR base's own answers on the exact path (fp32 weights and steps)
+        runtime = dataclasses.replace(runtime, weights="fp32", activations="fp32")
+    if a.adapter is not None:
+        if not a.adapter.is_file():
+            raise SystemExit(f"--adapter: no adapter file at {a.adapter}")
+        runtime = dataclasses.replace(runtime, adapter=a.adapter)
+    eng = Engine.load(runtime=runtime)
+    if a.make_answers:
+        items = make_answers(eng, a.limit, a.max_new_tokens, a.answers)
+        print(f"{len(items)} answers ({sum(x['stopped'] for x in items)} stopped) -> {a.answers}")
+        return
+    answers = load_answers(a.answers)[: a.limit]
+    report = dataclasses.asdict(probe(eng, answers, a.block_size))
+    report["setting"]["answers_file"] = str(a.answers)
+    text = json.dumps(report, indent=1)
+    if a.out:
+        a.out.parent.mkdir(parents=True, exist_ok=True)
+        a.out.write_text(text + "\n")
+    print(json.dumps({k: v for k, v in report.items() if k != "per_answer"}, indent=1))
 
 
 def cmd_ablation(a: argparse.Namespace) -> None:
@@ -258,6 +290,23 @@ def parser() -> argparse.ArgumentParser:
     v.add_argument("--out", type=Path, default=None, help="write the report as JSON here")
     v.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     v.set_defaults(func=cmd_eval)
+
+    pr = sub.add_parser("probe", formatter_class=fmt,
+                        help="the adapter's quick measures: teacher-forced agreement with the AR base's own answers, "
+                             "P(stop) at their ends (training/probe.py)")
+    pr.add_argument("--adapter", type=Path, default=None,
+                    help="the dLLM adapter file on the bundled base (default: FASTDLLM_ADAPTER, else assets/)")
+    pr.add_argument("--answers", type=Path, default=DATA.parent.parent / "bench" / "data" / "probe_answers.jsonl",
+                    help="reference answers (JSONL: id, prompt_ids, answer_ids, stopped)")
+    pr.add_argument("--limit", type=int, default=20, help="answers used (--make-answers: prompts answered)")
+    pr.add_argument("--block-size", type=int, default=32, help="the block grid (the adapter's training block size)")
+    pr.add_argument("--make-answers", action="store_true",
+                    help="instead: write the reference (the AR base's greedy answers, fp32 weights and steps, to the "
+                         "prompts `bench quality --long-limit LIMIT` scores) to --answers")
+    pr.add_argument("--max-new-tokens", type=int, default=256, help="--make-answers: answer length cap")
+    pr.add_argument("--out", type=Path, default=None, help="write the report (with per-answer rows) as JSON here")
+    pr.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    pr.set_defaults(func=cmd_probe)
 
     b = sub.add_parser("ablation", formatter_class=fmt,
                        help="the paper's recipe ablation: score runs trained with --recipe naive|pad|full alike")
