@@ -63,6 +63,7 @@ class Runtime:
     # every product is int8 or the copy is small, engine.weights.quant.PREPACK_MAX_BYTES)
     int8_prepack: bool | None = None
     kernels: str = "auto"  # FASTDLLM_KERNELS: auto | ours | torch
+    amx: bool = True  # FASTDLLM_AMX: our bf16 wide products on AMX tiles where the CPU has AMX-BF16
     fused: bool = True  # FASTDLLM_FUSED: one C++ call for every decoder layer of a narrow 4-bit forward
     pack: bool = True  # FASTDLLM_PACK: the dense CPU decode layout
     static: bool | None = None  # FASTDLLM_STATIC: static-shape steps (None: on for CUDA, off for CPU)
@@ -100,6 +101,7 @@ class Runtime:
             wide_activations=env.get("FASTDLLM_WIDE_ACTIVATIONS") or None,
             int8_prepack=_flag("FASTDLLM_INT8_PREPACK", None),
             kernels=env.get("FASTDLLM_KERNELS", "auto"),
+            amx=bool(_flag("FASTDLLM_AMX", True)),
             fused=bool(_flag("FASTDLLM_FUSED", True)),
             pack=bool(_flag("FASTDLLM_PACK", True)),
             static=_flag("FASTDLLM_STATIC", None),

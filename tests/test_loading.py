@@ -181,7 +181,7 @@ def test_runtime_reads_every_switch_and_names_a_bad_value(monkeypatch, tmp_path)
     values = {"FASTDLLM_MODEL": "bundled-base", "FASTDLLM_ADAPTER": str(tmp_path / "a.safetensors"),
               "FASTDLLM_GGUF": str(tmp_path / "b.gguf"), "FASTDLLM_CACHE": str(tmp_path), "FASTDLLM_DTYPE": "bfloat16",
               "FASTDLLM_THREADS": "3", "FASTDLLM_WEIGHTS": "int4", "FASTDLLM_INT4_WIDE_ROWS": "9",
-              "FASTDLLM_ACTIVATIONS": "int8", "FASTDLLM_KERNELS": "torch", "FASTDLLM_FUSED": "0", "FASTDLLM_PACK": "0",
+              "FASTDLLM_ACTIVATIONS": "int8", "FASTDLLM_KERNELS": "torch", "FASTDLLM_AMX": "0", "FASTDLLM_FUSED": "0", "FASTDLLM_PACK": "0",
               "FASTDLLM_STATIC": "1", "FASTDLLM_GRAPHS": "0", "FASTDLLM_COMPILE": "1", "FASTDLLM_QUEUE_SIZE": "5",
               "FASTDLLM_PREFILL_CHUNK": "128", "FASTDLLM_PREFIX_CACHE_MIB": "0",
               "FASTDLLM_ENGINE_URL": "http://h:8000", "FASTDLLM_API_KEY": "k", "FASTDLLM_UPDATE_SCREENSHOT": "1"}
@@ -190,7 +190,7 @@ def test_runtime_reads_every_switch_and_names_a_bad_value(monkeypatch, tmp_path)
     rt = Runtime.from_env()
     assert rt == Runtime(model="bundled-base", adapter=tmp_path / "a.safetensors", gguf=tmp_path / "b.gguf",
                          cache=tmp_path, dtype="bfloat16", threads=3, weights="int4", int4_wide_rows=9,
-                         activations="int8", kernels="torch", fused=False, pack=False, static=True, graphs=False,
+                         activations="int8", kernels="torch", amx=False, fused=False, pack=False, static=True, graphs=False,
                          compile=True, queue_size=5, engine_url="http://h:8000", api_key="k", update_screenshot=True,
                          prefill_chunk=128, prefix_cache_mib=0)
     for name, bad, needle in (("FASTDLLM_THREADS", "two", "'two' is not an integer >= 1"),

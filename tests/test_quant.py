@@ -975,3 +975,57 @@ def test_prepacked_int8_copy_gives_the_interleaves_numbers(gguf, monkeypatch):
     monkeypatch.setenv("FASTDLLM_WIDE_ACTIVATIONS", "bf16")
     monkeypatch.setattr(quant, "PREPACK_MAX_BYTES", 1 << 40)
     assert Engine.load().lm.dllm.lm_head.core.pk is None  # no int8 products: no copy
+
+
+@needs_ours
+def test_bf16_products_on_amx_tiles(gguf):
+    """engine/weights/csrc/amx.cpp (FASTDLLM_AMX, on by default): where the CPU has AMX-BF16, q4_bf16 / q8_bf16 run
+    on tile products: the vdpbf16ps kernel's numbers up to fp32 summation order (the same bf16 weights and rows), a
+    row's result the same at every row count and thread count (every count runs on tiles, so a row alone equals it
+    in a batch), tail blocks of 4 and 12 outputs; the switch turns the tiles off for the process, and the load line
+    says when they run."""
+    from dataclasses import replace
+
+    from engine.loading import load
+    from engine.runtime import Runtime
+
+    k = cpu_kernels.load("ours")
+    if not k.amx_bf16_ready():
+        pytest.skip("this CPU has no AMX-BF16 (or the OS refused the tile state): bf16 products stay on vdpbf16ps")
+    if not cpu_kernels.bf16_ok():
+        pytest.skip("this CPU lacks AVX-512 BF16")
+    cases = []
+    for blocks in (gguf.q4["model.layers.5.mlp.down_proj"], quant._fused_blocks(gguf, 7, "self_attn", ("q_proj", "k_proj", "v_proj")),
+                   _small_blocks(44, 128)):
+        w = quant.Int4Weight(blocks, dense_bf16=False)
+        cases.append((blocks.q.shape[1], lambda x, w=w: k.q4_bf16(x, w.qs, w.dm)))
+    for q, d in ((gguf.embed_q[:4096], gguf.embed_d[:4096]), (gguf.embed_q[:20], gguf.embed_d[:20])):
+        head = quant.Q8Head(q, d)
+        cases.append((q.shape[1], lambda x, h=head: k.q8_bf16(x, h.u, h.d)))
+    threads = torch.get_num_threads()
+    try:
+        for features, product in cases:
+            x = torch.randn(40, features) * torch.rand(1, features) * 3
+            k.set_amx(False)
+            ref = product(x)
+            k.set_amx(True)
+            assert cpu_kernels.use_amx("ours", True)
+            y = product(x)
+            assert not torch.equal(y, ref)  # the tiles ran (another summation order)
+            assert float((y - ref).abs().max() / ref.abs().max()) < 1e-5, features
+            for t in (1, 2):
+                torch.set_num_threads(t)
+                for rows in (1, 2, 3, 4, 9, 16, 17, 33, 40):
+                    assert torch.equal(product(x[:rows].contiguous()), y[:rows]), (features, rows, t)
+                assert torch.equal(product(x[21:22].contiguous()), y[21:22])
+        assert not cpu_kernels.use_amx("ours", False) and torch.equal(cases[0][1](x := torch.randn(9, cases[0][0])),
+                                                                     cases[0][1](x))
+        assert not cpu_kernels.use_amx("torch", True)
+        four_bit = replace(Runtime.from_env(), weights="int4+bf16", wide_activations=None)  # the engine's default
+        assert "(bf16 on AMX tiles from 2 positions)" in load(None, "cpu", None, four_bit).info["kernels"]
+        assert k.amx_bf16_on()
+        off = load(None, "cpu", None, replace(four_bit, amx=False))
+        assert "(bf16 from 2 positions)" in off.info["kernels"] and not k.amx_bf16_on()
+    finally:
+        torch.set_num_threads(threads)
+        k.set_amx(True)

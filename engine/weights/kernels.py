@@ -1,4 +1,5 @@
-"""Our AVX-512 kernels (engine/weights/csrc/: 4-bit products, one decoder layer's step), compiled on first use.
+"""Our AVX-512 kernels (engine/weights/csrc/: 4-bit products, one decoder layer's step; AMX tiles for the bf16 wide
+products where the CPU has AMX-BF16), compiled on first use.
 
 torch.utils.cpp_extension builds them once per machine (~1 min; cached under TORCH_EXTENSIONS_DIR, by default
 ~/.cache/torch_extensions) for the CPU it runs on. Where that cannot happen (no compiler, no AVX-512 VNNI, or
@@ -16,7 +17,7 @@ from types import ModuleType
 log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = [CSRC / "q4.cpp", CSRC / "wide_i8.cpp", CSRC / "lora.cpp", CSRC / "layer.cpp"]  # + q4.h
+SOURCES = [CSRC / "q4.cpp", CSRC / "wide_i8.cpp", CSRC / "amx.cpp", CSRC / "lora.cpp", CSRC / "layer.cpp"]  # + q4.h
 NEEDS = ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "f16c", "fma")
 FLAGS = ["-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni", "-mf16c", "-mfma"]
 CHOICES = ("auto", "ours", "torch")
@@ -79,6 +80,16 @@ def load(choice: str = "auto") -> ModuleType | None:
             raise RuntimeError(f"FASTDLLM_KERNELS=ours: {why}")
         log.warning("engine: our CPU kernels are unavailable (%s); using torch's int4 kernel", why)
     return mod
+
+
+def use_amx(choice: str, on: bool) -> bool:
+    """Switch our bf16 wide products onto AMX tiles (`on`, FASTDLLM_AMX; for the whole process: the kernels are
+    process-wide) and say whether they run there: the kernels are ours and the CPU and OS give AMX-BF16."""
+    mod = load(choice) if check(choice) != "torch" else None
+    if mod is None:
+        return False
+    mod.set_amx(on)
+    return bool(mod.amx_bf16_on())
 
 
 def status(choice: str = "auto") -> str:

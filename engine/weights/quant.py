@@ -50,6 +50,7 @@ class WeightPolicy:
     fused: bool = True
     wide_act: str = DEFAULT_WIDE_ACT
     prepack: bool | None = None  # FASTDLLM_INT8_PREPACK (None: PREPACK_MAX_BYTES' rule)
+    amx: bool = True  # FASTDLLM_AMX: bf16 wide products on AMX tiles where the CPU has them
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -65,7 +66,7 @@ class WeightPolicy:
     @classmethod
     def of(cls, runtime: Runtime) -> "WeightPolicy":
         return cls(runtime.weights, runtime.int4_wide_rows, runtime.activations or DEFAULT_ACT, runtime.kernels,
-                   runtime.fused, runtime.wide_activations or DEFAULT_WIDE_ACT, runtime.int8_prepack)
+                   runtime.fused, runtime.wide_activations or DEFAULT_WIDE_ACT, runtime.int8_prepack, runtime.amx)
 
     @classmethod
     def from_env(cls) -> "WeightPolicy":

@@ -15,7 +15,8 @@
 //   *_f32: fp32 activations, weights dequantised in registers: the fp32 path's numbers up to summation order.
 //          Calls of more rows dequantise each tile once into L1 (f32_unpack_tile) for all of them: the same numbers.
 //   q4_bf16, q8_bf16: wide calls (AVX-512 BF16): tiles dequantised to bf16 once per call, bf16 activations (a dense
-//          bf16 copy's numbers, from the quantised stream).
+//          bf16 copy's numbers, from the quantised stream). On AMX-BF16 CPUs the same weights and rows go through
+//          tile products (amx.cpp): fp32 sums in another order.
 //   int8 activations (per row and 32-group, like llama.cpp's Q8_1; VNNI): wide_i8.cpp, on a 16-output interleave.
 #include "q4.h"
 
@@ -298,6 +299,23 @@ __attribute__((target("avx512bf16"))) torch::Tensor mm_bf16(torch::Tensor x, tor
   const uint8_t* wp = w.data_ptr<uint8_t>();
   const at::Half* sp = sc.data_ptr<at::Half>();
   float* yp = y.data_ptr<float>();
+  if (amx_bf16_on()) {  // amx.cpp: the same bf16 weights and rows, fp32 sums in tiles; every row count
+    std::vector<uint16_t> xt((M + 15) / 16 * 16 * K);
+    amx_bf16_rows(xbp, M, K, xt.data());
+    at::parallel_for(0, (N + 15) / 16, kGrain / 16, [&](int64_t b0, int64_t b1) {
+      std::vector<uint16_t> wb(16 * K, 0);
+      AmxTiles tiles;
+      for (int64_t blk = b0; blk < b1; ++blk) {
+        const int64_t n0 = blk * 16, valid = std::min<int64_t>(16, N - n0);  // N is a multiple of 4
+        for (int64_t j = 0; j < valid / kTile; ++j) {
+          if (q8) bf16_unpack_tile<true>(wp, sp, K, n0 + j * kTile, wb.data() + j * kTile * K);
+          else bf16_unpack_tile<false>(wp, sp, K, n0 + j * kTile, wb.data() + j * kTile * K);
+        }
+        amx_bf16_block(wb.data(), xt.data(), M, K, yp + n0, N, static_cast<uint16_t>((1u << valid) - 1));
+      }
+    });
+    return y;
+  }
   at::parallel_for(0, N / kTile, kGrain / kTile, [&](int64_t b0, int64_t b1) {
     std::vector<uint16_t> wb(kTile * K);
     for (int64_t blk = b0; blk < b1; ++blk) {
@@ -327,6 +345,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "q4_i8w's numbers on i8w_prepack's copy (no per-call interleave)");
   m.def("q8_i8p", [](torch::Tensor x, torch::Tensor pk, torch::Tensor ps, int64_t n) { return mm_i8_pre(x, pk, ps, n, true); },
         "q8_i8w's numbers on i8w_prepack's copy (no per-call interleave)");
+  m.def("amx_bf16_ready", &amx_bf16_ready, "the CPU has AMX-BF16 and this process may use its tiles (asked of the OS once)");
+  m.def("amx_bf16_on", &amx_bf16_on, "q4_bf16 / q8_bf16 run on AMX tiles (amx_bf16_ready and not switched off)");
+  m.def("set_amx", &set_amx, "AMX tiles on or off for this process's bf16 products (FASTDLLM_AMX)");
   m.def("lora_add", &lora_add, "y += (x A^T) B^T per fused part, rows on their own (lora.cpp)");
   m.def("layer_step", &layer_step, "one decoder layer's narrow forward over a KV cache (engine/csrc/layer.cpp)");
   py::class_<LayerStack>(m, "LayerStack", "every decoder layer for layer_step, handed over once (layer.cpp)")

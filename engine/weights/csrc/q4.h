@@ -36,6 +36,20 @@ torch::Tensor mm_i8_wide(torch::Tensor x, torch::Tensor w, torch::Tensor sc, boo
 // the same products on a copy prepacked once into that interleave (i8w_prepack -> pk, ps)
 std::vector<torch::Tensor> i8w_prepack(torch::Tensor w, torch::Tensor sc, bool q8);
 torch::Tensor mm_i8_pre(torch::Tensor x, torch::Tensor pk, torch::Tensor ps, int64_t N, bool q8);
+// q4_bf16 / q8_bf16 on AMX tiles (amx.cpp), for every row count once on
+bool amx_bf16_ready();  // the CPU has AMX-BF16 and the OS gave this process the tile state (asked once)
+bool amx_bf16_on();     // amx_bf16_ready() and not switched off (set_amx; FASTDLLM_AMX=0)
+void set_amx(bool on);
+struct AmxTiles {       // the tile configuration, loaded in this thread for this object's lifetime
+  AmxTiles();
+  ~AmxTiles();
+  AmxTiles(const AmxTiles&) = delete;
+  AmxTiles& operator=(const AmxTiles&) = delete;
+};
+// x's bf16 rows xb [M, K] -> xt [ceil(M / 16)][K / 2][16][2] (zero rows past M)
+void amx_bf16_rows(const uint16_t* xb, int64_t M, int64_t K, uint16_t* xt);
+// y[M, 16 outputs] (row stride ldy; `keep` masks outputs past N) from the block's bf16 weights wb [16][K]
+void amx_bf16_block(const uint16_t* wb, const uint16_t* xt, int64_t M, int64_t K, float* y, int64_t ldy, uint16_t keep);
 // y += (x A^T) B^T per fused part (lora.cpp); a_t and b[s] in 32-output panels (engine/weights/lora.py panels), fp32
 // or bf16; slices (r0, r1, o0, o1)
 torch::Tensor lora_add(torch::Tensor y, torch::Tensor x, torch::Tensor a_t, std::vector<torch::Tensor> b,
