@@ -300,7 +300,8 @@ def test_default_engine_runs_the_gguf_4bit_weights_and_decodes_like_fp32(engine,
     q = Engine.load()
     assert q.lm.info["weights"] == "int4+bf16" and "int4+bf16 weights" in q.lm.banner()
     assert q.lm.info["kernels"] in q.lm.banner()
-    assert (q.lm.info["kernels"] == "ours (AVX-512 VNNI), int8 activations (bf16 from 2 positions)") == HAS_OURS
+    tiles = " on AMX tiles" if HAS_OURS and cpu_kernels.load("ours").amx_bf16_ready() else ""  # amx.cpp
+    assert (q.lm.info["kernels"] == f"ours (AVX-512 VNNI), int8 activations (bf16{tiles} from 2 positions)") == HAS_OURS
     base, dllm = q.lm.base.model.layers[0].mlp.gate_up, q.lm.dllm.model.layers[0].mlp.gate_up
     assert isinstance(base, quant.Int4Linear) and base.lora is None and base.wide_rows == \
         (quant.OURS_WIDE_ROWS if HAS_OURS else quant.TORCH_WIDE_ROWS)
@@ -314,6 +315,15 @@ def test_default_engine_runs_the_gguf_4bit_weights_and_decodes_like_fp32(engine,
             ref = engine.generate(prompt, engine.decode_config(mode=mode, max_new_tokens=24, temperature=0.0),
                                   record=False)[0].summary.token_ids
             same = next((i for i, (u, v) in enumerate(zip(got, ref)) if u != v), min(len(got), len(ref)))
+            if same < 6 and mode == "ar":
+                # a near-tie of the exact path may flip (bf16 wide activations move logits by ~0.1-0.4: on AMX tiles
+                # "What is the capital of France?" opens with "L" instead of "The", 0.05 apart in fp32): the 4-bit
+                # token must then be within 0.25 of the fp32 path's best at that point, which broken weights are not
+                ids = engine.encode(engine.chat_prompt([{"role": "user", "content": prompt}])) + ref[:same]
+                with torch.inference_mode():
+                    logits = engine.lm.base(torch.tensor([ids]), torch.arange(len(ids))[None], causal=True)[0, -1]
+                assert float(logits[ref[same]] - logits[got[same]]) < 0.25, (mode, prompt, got, ref)
+                continue
             assert same >= 6, (mode, prompt, got, ref)  # broken weights diverge at once
     # the static-shape stepper (engine/static.py, forced on for CPU) runs the same 4-bit modules
     static = Engine(q.lm, static=True)
@@ -379,7 +389,8 @@ def test_one_call_layer_step_matches_the_eager_layers(monkeypatch):
     bf16_block_tol = 6e-2
     # int8 wide activations (wide_i8.cpp) in both paths: the same kernels, only attention's order differs, but a
     # rounding step of the int8 rows is coarser than bf16's, so the 31-wide prefill's K/V move the AR step by up to
-    # ~1.4 % of the largest logit and the dLLM's block step by 8.4 % (measured; the LoRA path amplifies it, as above).
+    # ~1.4 % of the largest logit and the dLLM's block step by 8.4 % (measured on the Zen 4; 14.0 % on an Intel Xeon
+    # with AMX, whose attention kernels round differently: the LoRA path amplifies it, as above).
     # The kernels themselves are checked row by row in test_wide_int8_kernels_on_the_interleave; here, that the
     # fused step runs them (wide_mode) and stays near the eager layers. The default (bf16) runs last: the engine the
     # answers below compare.
@@ -387,7 +398,7 @@ def test_one_call_layer_step_matches_the_eager_layers(monkeypatch):
     # the same kernel as int8 wide calls) in the last, whose narrow error is int8 rounding of the 31-wide prefill's
     # K/V and of the step's own rows.
     for switch, wide_act, act, tol_narrow, tol_wide in (("33", "bf16", "fp32", 1e-4, 1e-4),
-                                                        (None, "int8", "fp32", 3e-2, 1.2e-1),
+                                                        (None, "int8", "fp32", 3e-2, 1.6e-1),
                                                         (None, "bf16", "fp32", 5e-3, bf16_block_tol),
                                                         (None, "bf16", "", 3e-2, bf16_block_tol)):
         monkeypatch.setenv("FASTDLLM_WIDE_ACTIVATIONS", wide_act)
