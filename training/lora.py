@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import math
+from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
@@ -15,19 +16,38 @@ TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 
 
 class LoRALinear(nn.Module):
-    """y = W x + scale * B A x, with W frozen; B starts at zero so training starts from the base."""
+    """y = W x + scale * B A x, with W frozen; B starts at zero so training starts from the base. `off` (adapter_off):
+    y = W x, the base alone (the teacher of --distill-kl)."""
 
     def __init__(self, base: nn.Linear, rank: int, alpha: float, gen: torch.Generator):
         super().__init__()
-        self.base, self.scale = base, alpha / rank
+        self.base, self.scale, self.off = base, alpha / rank, False
         bound = 1.0 / math.sqrt(base.in_features)  # kaiming-uniform(a=sqrt 5), as nn.Linear and peft
         a = (torch.rand(rank, base.in_features, generator=gen) * 2 - 1) * bound
         self.lora_A = nn.Parameter(a.to(base.weight.device))
         self.lora_B = nn.Parameter(torch.zeros(base.out_features, rank, device=base.weight.device))
 
     def forward(self, x: Tensor) -> Tensor:
+        if self.off:
+            return self.base(x)
         # scale folded into B: one small multiply instead of one over the whole [tokens, out] activation
         return self.base(x) + F.linear(F.linear(x, self.lora_A.to(x.dtype)), (self.lora_B * self.scale).to(x.dtype))
+
+
+@contextmanager
+def adapter_off(model: nn.Module):
+    """Inside: every LoRALinear of `model` (any wrapper around it) computes its base alone. The mask-token row
+    stays (the teacher never reads it: causal positions before an answer's end see no mask token)."""
+    layers = [m for m in model.modules() if isinstance(m, LoRALinear)]
+    if not layers:
+        raise ValueError("adapter_off: the model has no LoRA layers (the base is not separable from the weights)")
+    for m in layers:
+        m.off = True
+    try:
+        yield
+    finally:
+        for m in layers:
+            m.off = False
 
 
 class ExtendedEmbedding(nn.Module):

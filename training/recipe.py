@@ -158,30 +158,53 @@ class LossConfig:
 
     certainty_weight: float = 0.0
     certainty_temperature: float = 0.5
+    # + kl_weight x KL(base || dLLM): at every masked answer position, the AR base's next-token distribution (the same
+    # weights with the adapter off, causal, on the clean sequence) against the dLLM's there (DESIGN.md section 5: the
+    # base's whole distribution as the target, not only its greedy token). 0: off.
+    kl_weight: float = 0.0
 
     def __post_init__(self) -> None:
         if self.certainty_weight < 0:
             raise ValueError(f"certainty_weight must be >= 0 (got {self.certainty_weight})")
+        if self.kl_weight < 0:
+            raise ValueError(f"kl_weight (--distill-kl) must be >= 0 (got {self.kl_weight})")
         if self.certainty_temperature <= 0:
             raise ValueError(f"certainty_temperature must be > 0 (got {self.certainty_temperature})")
 
 
+def teacher_logits(model, batch: Batch) -> Tensor:
+    """[B, n, V] the AR base's logits for the batch's targets: the clean copy (the row's last segment), causal, the
+    adapter off, no gradient; position i - 1 of the clean copy predicts target i (logits_idx modulo the length)."""
+    from .lora import adapter_off
+
+    clean = slice(batch.views * batch.length, (batch.views + 1) * batch.length)
+    with torch.no_grad(), adapter_off(model):
+        return model(batch.ids[:, clean], batch.pos[:, clean], causal=True, logits_idx=batch.logits_idx % batch.length)
+
+
 def loss_parts(model, batch: Batch, attention: str = "auto", loss: LossConfig = LossConfig()) -> dict[str, Tensor]:
-    """{"loss", "ce"[, "entropy", "correct"]}: mean cross-entropy over the masked answer tokens (token shift
-    via logits_idx) plus, when asked, the certainty-forcing term over the correctly predicted ones."""
+    """{"loss", "ce"[, "kl"][, "entropy", "correct"]}: mean cross-entropy over the masked answer tokens (token shift
+    via logits_idx) plus, when asked, the mean KL from the base's distribution there and the certainty-forcing term
+    over the correctly predicted ones."""
     logits = model(batch.ids, batch.pos, mask=batch.attention(attention), logits_idx=batch.logits_idx)
     logits = logits.float().flatten(0, 1)
     targets = batch.targets.flatten()
     ce = F.cross_entropy(logits, targets, ignore_index=IGNORE, reduction="sum") / max(batch.loss_tokens, 1)
-    if not loss.certainty_weight:
-        return {"loss": ce, "ce": ce}
+    out = {"loss": ce, "ce": ce}
     keep = targets != IGNORE
+    if loss.kl_weight:
+        teacher = F.log_softmax(teacher_logits(model, batch).float().flatten(0, 1)[keep], dim=-1)
+        kl = F.kl_div(F.log_softmax(logits[keep], dim=-1), teacher, log_target=True, reduction="sum") \
+            / max(batch.loss_tokens, 1)
+        out.update(loss=out["loss"] + loss.kl_weight * kl, kl=kl)
+    if not loss.certainty_weight:
+        return out
     logits, targets = logits[keep], targets[keep]
     correct = logits.argmax(-1) == targets
     logp = F.log_softmax(logits[correct] / loss.certainty_temperature, dim=-1)
     entropy = -(logp.exp() * logp).sum(-1).sum() / correct.sum().clamp(min=1)
-    return {"loss": ce + loss.certainty_weight * entropy, "ce": ce, "entropy": entropy,
-            "correct": correct.float().mean()}
+    out.update(loss=out["loss"] + loss.certainty_weight * entropy, entropy=entropy, correct=correct.float().mean())
+    return out
 
 
 def batch_loss(model, batch: Batch, attention: str = "auto", loss: LossConfig = LossConfig()) -> Tensor:
