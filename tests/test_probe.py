@@ -76,11 +76,16 @@ def test_reference_answers_are_the_base_answers_to_the_long_prompts(engine):
         assert it["stopped"] or len(it["answer_ids"]) == 256
 
 
+def _shortest(n: int) -> list[dict]:
+    return sorted(probe.load_answers(), key=lambda a: len(a["answer_ids"]))[:n]
+
+
 def test_shipped_adapter_agrees_with_its_base_on_most_tokens(engine):
-    """On three reference answers: the measures are in range, and the shipped adapter predicts most of its base's
-    tokens (the design notes measured 81 % on all 20); a shift or mask off by one gives near zero."""
-    rep = probe.probe(engine, probe.load_answers()[:3])
-    assert rep.answers == 3 and rep.positions == sum(len(a["answer_ids"]) for a in probe.load_answers()[:3])
+    """On the three shortest reference answers (all stopped): the measures are in range, and the shipped adapter
+    predicts most of its base's tokens (0.82 on all 20); a shift or mask off by one gives near zero."""
+    answers = _shortest(3)
+    rep = probe.probe(engine, answers)
+    assert rep.answers == 3 and rep.positions == sum(len(a["answer_ids"]) for a in answers)
     assert 0.6 < rep.agreement <= 1.0
     assert -2.0 < rep.mean_logprob < 0.0
     assert 0 <= rep.first_disagreement_median <= max(a["tokens"] for a in rep.per_answer)
@@ -100,12 +105,14 @@ def test_make_answers_writes_what_the_engine_generates(engine, tmp_path):
 
 
 def test_cli_writes_the_report(tmp_path):
-    out = tmp_path / "probe.json"
-    r = subprocess.run([sys.executable, "-m", "training", "probe", "--limit", "1", "--out", str(out)], cwd=REPO,
-                       capture_output=True, text=True, timeout=600)
+    out, answers = tmp_path / "probe.json", tmp_path / "answers.jsonl"
+    answers.write_text(json.dumps(_shortest(1)[0]) + "\n")
+    r = subprocess.run([sys.executable, "-m", "training", "probe", "--answers", str(answers), "--out", str(out)],
+                       cwd=REPO, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]
     rep = json.loads(out.read_text())
     assert rep["answers"] == 1 and len(rep["per_answer"]) == 1 and 0 <= rep["agreement"] <= 1
+    assert rep["setting"]["answers_file"] == str(answers) and rep["per_answer"][0]["id"] == _shortest(1)[0]["id"]
     bad = subprocess.run([sys.executable, "-m", "training", "probe", "--adapter", str(tmp_path / "none.safetensors")],
                          cwd=REPO, capture_output=True, text=True, timeout=120)
     assert bad.returncode != 0 and "--adapter: no adapter file at" in bad.stderr
