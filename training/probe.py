@@ -86,7 +86,7 @@ def dllm_logprobs(model, ids: list[int], plen: int, mask_id: int, bs: int) -> to
         if q % bs == 0:  # a block's first position: from the clean previous block's last logits
             out[q - plen] = _logp(logits[q - 1], mask_id)
     for s in range(plen // bs * bs, n, bs):
-        qs = [q for q in range(max(s + 1, plen), min(s + bs, n))]
+        qs = list(range(max(s + 1, plen), min(s + bs, n)))
         for c in range(0, len(qs), ROWS):
             part = qs[c:c + ROWS]
             rows = torch.full((len(part), bs), mask_id, dtype=torch.long)
