@@ -77,11 +77,12 @@ def load(model: str | None = None, device: str | None = None, dtype: str | None 
     if four_bit:
         weights = policy.mode
         kernels = cpu_kernels.status(policy.kernels)
+        tiles = cpu_kernels.use_amx(policy.kernels, policy.amx)  # the process-wide switch, set at every 4-bit load
         if kernels.startswith("ours"):
             kernels += f", {policy.act} activations"
             if policy.mode == "int4+bf16":  # wider forwards (diffusion steps, prefills): bf16 or int8 activations
-                tiles = " on AMX tiles" if policy.wide_act == "bf16" and cpu_kernels.use_amx(policy.kernels, policy.amx) else ""
-                kernels += f" ({policy.wide_act}{tiles} from {policy.switch(True)} positions)"
+                on_tiles = " on AMX tiles" if tiles and policy.wide_act == "bf16" else ""
+                kernels += f" ({policy.wide_act}{on_tiles} from {policy.switch(True)} positions)"
         if quantised is None:  # the bundled GGUF's own 4-bit blocks replace the dequantised projections
             quant.quantize_bundled(base, dllm, bundled_gguf_path(rt), source.path / "q4_1_blocks.safetensors",
                                    *read_adapter_tensors(source.adapter), policy)

@@ -1029,8 +1029,12 @@ def test_bf16_products_on_amx_tiles(gguf):
                 for rows in (1, 2, 3, 4, 9, 16, 17, 33, 40):
                     assert torch.equal(product(x[:rows].contiguous()), y[:rows]), (features, rows, t)
                 assert torch.equal(product(x[21:22].contiguous()), y[21:22])
-        assert not cpu_kernels.use_amx("ours", False) and torch.equal(cases[0][1](x := torch.randn(9, cases[0][0])),
-                                                                     cases[0][1](x))
+        x = torch.randn(9, cases[0][0])
+        on = cases[0][1](x)
+        assert not cpu_kernels.use_amx("ours", False) and not k.amx_bf16_on()
+        off = cases[0][1](x)  # the vdpbf16ps kernel again
+        assert not torch.equal(off, on) and float((off - on).abs().max() / off.abs().max()) < 1e-5
+        assert cpu_kernels.use_amx("ours", True) and torch.equal(cases[0][1](x), on)
         assert not cpu_kernels.use_amx("torch", True)
         four_bit = replace(Runtime.from_env(), weights="int4+bf16", wide_activations=None)  # the engine's default
         assert "(bf16 on AMX tiles from 2 positions)" in load(None, "cpu", None, four_bit).info["kernels"]

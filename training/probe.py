@@ -80,11 +80,12 @@ def dllm_logprobs(model, ids: list[int], plen: int, mask_id: int, bs: int) -> to
     dtype = next(model.parameters()).dtype
     room = -(-n // bs) * bs
     clean = KVCache(model.cfg, 1, room, seq.device, dtype)  # every clean block's K/V, as a committed block's
-    logits = model(seq, torch.arange(n)[None], clean, start=0, kv_len=n, mask=block_causal(n, bs))[0]
+    firsts = [q for q in range(plen, n) if q % bs == 0]  # a block's first position: the clean previous block's last logits
+    logits = model(seq, torch.arange(n)[None], clean, start=0, kv_len=n, mask=block_causal(n, bs),
+                   logits_idx=torch.tensor([[q - 1 for q in firsts] or [0]]))[0]
     out = torch.empty(n - plen, logits.shape[-1])
-    for q in range(plen, n):
-        if q % bs == 0:  # a block's first position: from the clean previous block's last logits
-            out[q - plen] = _logp(logits[q - 1], mask_id)
+    for i, q in enumerate(firsts):
+        out[q - plen] = _logp(logits[i], mask_id)
     for s in range(plen // bs * bs, n, bs):
         qs = list(range(max(s + 1, plen), min(s + bs, n)))
         for c in range(0, len(qs), ROWS):

@@ -22,7 +22,6 @@
 
 #include <algorithm>
 #include <atomic>
-#include <cstring>
 #include <mutex>
 
 namespace {
@@ -106,8 +105,7 @@ AmxTiles::~AmxTiles() { release_tiles(); }
 void amx_bf16_rows(const uint16_t* xb, int64_t M, int64_t K, uint16_t* xt) {
   const uint32_t* src = reinterpret_cast<const uint32_t*>(xb);  // a k-pair = one dword
   uint32_t* dst = reinterpret_cast<uint32_t*>(xt);
-  const int64_t P = K / 2, T = (M + 15) / 16;
-  std::memset(xt, 0, T * P * 16 * sizeof(uint32_t));
+  const int64_t P = K / 2;
   for (int64_t r = 0; r < M; ++r)
     for (int64_t p = 0; p < P; ++p) dst[((r / 16) * P + p) * 16 + r % 16] = src[r * P + p];
 }

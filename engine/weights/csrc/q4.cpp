@@ -300,7 +300,7 @@ __attribute__((target("avx512bf16"))) torch::Tensor mm_bf16(torch::Tensor x, tor
   const at::Half* sp = sc.data_ptr<at::Half>();
   float* yp = y.data_ptr<float>();
   if (amx_bf16_on()) {  // amx.cpp: the same bf16 weights and rows, fp32 sums in tiles; every row count
-    std::vector<uint16_t> xt((M + 15) / 16 * 16 * K);
+    std::vector<uint16_t> xt((M + 15) / 16 * 16 * K);  // zeroed: the padding rows of the last tile
     amx_bf16_rows(xbp, M, K, xt.data());
     at::parallel_for(0, (N + 15) / 16, kGrain / 16, [&](int64_t b0, int64_t b1) {
       std::vector<uint16_t> wb(16 * K, 0);

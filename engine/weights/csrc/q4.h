@@ -46,7 +46,7 @@ struct AmxTiles {       // the tile configuration, loaded in this thread for thi
   AmxTiles(const AmxTiles&) = delete;
   AmxTiles& operator=(const AmxTiles&) = delete;
 };
-// x's bf16 rows xb [M, K] -> xt [ceil(M / 16)][K / 2][16][2] (zero rows past M)
+// x's bf16 rows xb [M, K] -> xt [ceil(M / 16)][K / 2][16][2], zeroed by the caller (rows past M stay zero)
 void amx_bf16_rows(const uint16_t* xb, int64_t M, int64_t K, uint16_t* xt);
 // y[M, 16 outputs] (row stride ldy; `keep` masks outputs past N) from the block's bf16 weights wb [16][K]
 void amx_bf16_block(const uint16_t* wb, const uint16_t* xt, int64_t M, int64_t K, float* y, int64_t ldy, uint16_t keep);
