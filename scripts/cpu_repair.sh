@@ -7,16 +7,19 @@
 # On a fresh machine (no runs/), INIT=<a slim checkpoint or adapter file> starts a new phase from where an earlier
 # period stopped; optimiser momentum and the schedule start again, and the phases are recorded in the adapter's
 # metadata. Default: the shipped adapter.
-# Env: RUN (runs/repair), STEPS (total steps of this phase's schedule), SEG (steps per segment), THREADS (1), LR (1e-4).
+# Env: RUN (runs/repair), STEPS (total steps of this phase's schedule), SEG (steps per segment), THREADS (1), LR (1e-4),
+# KL (the --distill-kl weight: 0, off).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-RUN=${RUN:-runs/repair} STEPS=${STEPS:-240} SEG=${SEG:-20} THREADS=${THREADS:-1} LR=${LR:-1e-4}
+RUN=${RUN:-runs/repair} STEPS=${STEPS:-240} SEG=${SEG:-20} THREADS=${THREADS:-1} LR=${LR:-1e-4} KL=${KL:-0}
 PY=${PY:-.venv/bin/python}
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" FASTDLLM_THREADS=$THREADS
 mkdir -p "$RUN/curve"
 INIT=${INIT:-assets/fastdllm_adapter.safetensors}
-# 11,279 examples at batch 8 -> 1,410 steps an epoch; the cosine schedule spans STEPS steps
-EPOCHS=$($PY -c "print(round($STEPS * 8 / 11279, 6))")
+# the examples the `finish` policy keeps at max-len 256 (the data's manifest; 20,460 since block 3), at batch 8:
+# the cosine schedule spans STEPS steps
+KEPT=$($PY -c "import json; print(json.load(open('training/data/selfinstruct/manifest.json'))['answers_policy']['by_max_len']['256']['finish']['kept'])")
+EPOCHS=$($PY -c "print(round($STEPS * 8 / $KEPT, 6))")
 while :; do
   done_steps=$($PY - "$RUN" <<'EOF'
 import sys
@@ -32,7 +35,7 @@ EOF
   $PY -m training train --data training/data/selfinstruct --answers finish --max-len 256 \
       --init-from "$INIT" --run "$RUN" --batch-size 8 --micro-batch 4 \
       --lr "$LR" --warmup-steps 5 --min-lr-ratio 0.3 --epochs "$EPOCHS" --threads "$THREADS" \
-      --save-every-s 600 --max-steps "$next" --seed 21
+      --save-every-s 600 --max-steps "$next" --seed 21 --distill-kl "$KL"
   $PY -m training export --run "$RUN" --out "$RUN/curve/step-$(printf %06d "$next").safetensors"
 done
 echo "repair run: $STEPS steps done in $RUN"

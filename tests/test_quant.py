@@ -993,8 +993,9 @@ def test_bf16_products_on_amx_tiles(gguf):
     """engine/weights/csrc/amx.cpp (FASTDLLM_AMX, on by default): where the CPU has AMX-BF16, q4_bf16 / q8_bf16 run
     on tile products: the vdpbf16ps kernel's numbers up to fp32 summation order (the same bf16 weights and rows), a
     row's result the same at every row count and thread count (every count runs on tiles, so a row alone equals it
-    in a batch), tail blocks of 4 and 12 outputs; the switch turns the tiles off for the process, and the load line
-    says when they run."""
+    in a batch; from 33 rows on two weight blocks by two row tiles at once, with the x tiles prefetched), tail
+    blocks of 4 and 12 outputs; the switch turns the tiles off for the process, and the load line says when they
+    run."""
     from dataclasses import replace
 
     from engine.loading import load
@@ -1016,7 +1017,7 @@ def test_bf16_products_on_amx_tiles(gguf):
     threads = torch.get_num_threads()
     try:
         for features, product in cases:
-            x = torch.randn(40, features) * torch.rand(1, features) * 3
+            x = torch.randn(100, features) * torch.rand(1, features) * 3
             k.set_amx(False)
             ref = product(x)
             k.set_amx(True)
@@ -1026,7 +1027,7 @@ def test_bf16_products_on_amx_tiles(gguf):
             assert float((y - ref).abs().max() / ref.abs().max()) < 1e-5, features
             for t in (1, 2):
                 torch.set_num_threads(t)
-                for rows in (1, 2, 3, 4, 9, 16, 17, 33, 40):
+                for rows in (1, 2, 3, 4, 9, 16, 17, 33, 40, 64, 81, 100):
                     assert torch.equal(product(x[:rows].contiguous()), y[:rows]), (features, rows, t)
                 assert torch.equal(product(x[21:22].contiguous()), y[21:22])
         x = torch.randn(9, cases[0][0])

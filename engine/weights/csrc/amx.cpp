@@ -35,11 +35,11 @@ struct TileConfig {
   uint8_t rows[16] = {};
 };
 
-// Every tile 16 rows x 64 bytes. 0-2: C (16 outputs x 16 rows fp32, one per 16-row tile of x); 3-5: B (x's 16 rows
-// as 16 k-pairs); 6: A (16 outputs x 32 k of bf16 weights).
+// Every tile 16 rows x 64 bytes. 0-3: C (16 outputs x 16 rows fp32: two weight blocks by two 16-row tiles of x);
+// 4-5: A (16 outputs x 32 k of bf16 weights); 6-7: B (x's 16 rows as 16 k-pairs).
 TileConfig make_config() {
   TileConfig c;
-  for (int t = 0; t < 7; ++t) c.rows[t] = 16, c.colsb[t] = 64;
+  for (int t = 0; t < 8; ++t) c.rows[t] = 16, c.colsb[t] = 64;
   return c;
 }
 
@@ -59,30 +59,43 @@ __attribute__((target("amx-tile"))) void load_tiles() {
 
 __attribute__((target("amx-tile"))) void release_tiles() { _tile_release(); }
 
-// C tiles of NT 16-row tiles of x (xt, [NT][K / 2][16][2]) against the block's weights wb [16][K], into c [NT][16][16]
-template <int NT>
+// C tiles of NA 16-output weight blocks (wb [NA * 16][K]) against NB 16-row tiles of x (xt, [NB][K / 2][16][2]), into
+// c [2][2][16][16] (block a, x tile b at (2a + b) * 256). At 2 x 2 every tile loaded serves two products. PREFETCH:
+// the x tiles of a later k-step are fetched into L1 first; at many rows (xt in L2) tile loads from L2 otherwise left
+// the tile unit idle (bench/results/amx_bf16/README.md: 0.75-0.89x the time at 128-512 rows).
+template <int NA, int NB, bool PREFETCH>
 __attribute__((target("amx-tile,amx-bf16"))) void bf16_tiles(const uint16_t* wb, const uint16_t* xt, int64_t K,
                                                              float* c) {
+  constexpr int64_t kAhead = 32;  // k: one step ahead
   const int64_t P = K / 2;
   _tile_zero(0);
-  if constexpr (NT > 1) _tile_zero(1);
-  if constexpr (NT > 2) _tile_zero(2);
+  if constexpr (NB > 1) _tile_zero(1);
+  if constexpr (NA > 1) _tile_zero(2);
+  if constexpr (NA > 1 && NB > 1) _tile_zero(3);
   for (int64_t k = 0; k < K; k += 32) {
-    _tile_loadd(6, wb + k, 2 * K);
-    _tile_loadd(3, xt + (0 * P + k / 2) * 32, 64);
-    _tile_dpbf16ps(0, 6, 3);
-    if constexpr (NT > 1) {
-      _tile_loadd(4, xt + (1 * P + k / 2) * 32, 64);
-      _tile_dpbf16ps(1, 6, 4);
+    if constexpr (PREFETCH)
+      if (k + kAhead < K)
+        for (int l = 0; l < 16; ++l) {
+          _mm_prefetch(reinterpret_cast<const char*>(xt + (k + kAhead) * 16) + 64 * l, _MM_HINT_T0);
+          if constexpr (NB > 1) _mm_prefetch(reinterpret_cast<const char*>(xt + (P + (k + kAhead) / 2) * 32) + 64 * l, _MM_HINT_T0);
+        }
+    _tile_loadd(4, wb + k, 2 * K);
+    _tile_loadd(6, xt + k * 16, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    if constexpr (NB > 1) {
+      _tile_loadd(7, xt + (P + k / 2) * 32, 64);
+      _tile_dpbf16ps(1, 4, 7);
     }
-    if constexpr (NT > 2) {
-      _tile_loadd(5, xt + (2 * P + k / 2) * 32, 64);
-      _tile_dpbf16ps(2, 6, 5);
+    if constexpr (NA > 1) {
+      _tile_loadd(5, wb + 16 * K + k, 2 * K);
+      _tile_dpbf16ps(2, 5, 6);
+      if constexpr (NB > 1) _tile_dpbf16ps(3, 5, 7);
     }
   }
   _tile_stored(0, c, 64);
-  if constexpr (NT > 1) _tile_stored(1, c + 256, 64);
-  if constexpr (NT > 2) _tile_stored(2, c + 512, 64);
+  if constexpr (NB > 1) _tile_stored(1, c + 256, 64);
+  if constexpr (NA > 1) _tile_stored(2, c + 512, 64);
+  if constexpr (NA > 1 && NB > 1) _tile_stored(3, c + 768, 64);
 }
 
 }  // namespace
@@ -110,22 +123,30 @@ void amx_bf16_rows(const uint16_t* xb, int64_t M, int64_t K, uint16_t* xt) {
     for (int64_t p = 0; p < P; ++p) dst[((r / 16) * P + p) * 16 + r % 16] = src[r * P + p];
 }
 
-__attribute__((target("avx512f"))) void amx_bf16_block(const uint16_t* wb, const uint16_t* xt, int64_t M, int64_t K,
-                                                       float* y, int64_t ldy, uint16_t keep) {
-  alignas(64) float c[3 * 256];
+__attribute__((target("avx512f"))) void amx_bf16_block(const uint16_t* wb, int na, const uint16_t* xt, int64_t M,
+                                                       int64_t K, float* y, int64_t ldy, const uint16_t* keep) {
+  alignas(64) float c[4 * 256];
   const int64_t T = (M + 15) / 16, P = K / 2;
   const __m512i col = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
                                          _mm512_set1_epi32(16));
-  for (int64_t t0 = 0; t0 < T; t0 += 3) {
-    const int64_t nt = std::min<int64_t>(3, T - t0);
+  for (int64_t t0 = 0; t0 < T; t0 += 2) {
+    const int64_t nb = std::min<int64_t>(2, T - t0);
     const uint16_t* xs = xt + t0 * P * 32;
-    if (nt == 1) bf16_tiles<1>(wb, xs, K, c);
-    else if (nt == 2) bf16_tiles<2>(wb, xs, K, c);
-    else bf16_tiles<3>(wb, xs, K, c);
-    for (int64_t r = t0 * 16; r < std::min<int64_t>(M, (t0 + nt) * 16); ++r) {  // row r of y = column r of C
+    if (T <= 2) {  // up to 32 rows (a row alone, a block): xt stays in L1, one weight block at a time measured best
+      for (int a = 0; a < na; ++a)
+        nb == 1 ? bf16_tiles<1, 1, false>(wb + a * 16 * K, xs, K, c + a * 512)
+                : bf16_tiles<1, 2, false>(wb + a * 16 * K, xs, K, c + a * 512);
+    } else if (na == 1) {
+      nb == 1 ? bf16_tiles<1, 1, true>(wb, xs, K, c) : bf16_tiles<1, 2, true>(wb, xs, K, c);
+    } else {
+      nb == 1 ? bf16_tiles<2, 1, true>(wb, xs, K, c) : bf16_tiles<2, 2, true>(wb, xs, K, c);
+    }
+    for (int64_t r = t0 * 16; r < std::min<int64_t>(M, (t0 + nb) * 16); ++r) {  // row r of y = column r of C
       const int64_t i = r - t0 * 16;
-      const __m512 v = _mm512_i32gather_ps(_mm512_add_epi32(col, _mm512_set1_epi32(i % 16)), c + (i / 16) * 256, 4);
-      _mm512_mask_storeu_ps(y + r * ldy, keep, v);
+      for (int a = 0; a < na; ++a) {
+        const __m512 v = _mm512_i32gather_ps(_mm512_add_epi32(col, _mm512_set1_epi32(i % 16)), c + (a * 2 + i / 16) * 256, 4);
+        _mm512_mask_storeu_ps(y + r * ldy + a * 16, keep[a], v);
+      }
     }
   }
 }

@@ -302,16 +302,18 @@ __attribute__((target("avx512bf16"))) torch::Tensor mm_bf16(torch::Tensor x, tor
   if (amx_bf16_on()) {  // amx.cpp: the same bf16 weights and rows, fp32 sums in tiles; every row count
     std::vector<uint16_t> xt((M + 15) / 16 * 16 * K);  // zeroed: the padding rows of the last tile
     amx_bf16_rows(xbp, M, K, xt.data());
-    at::parallel_for(0, (N + 15) / 16, kGrain / 16, [&](int64_t b0, int64_t b1) {
-      std::vector<uint16_t> wb(16 * K, 0);
+    at::parallel_for(0, (N + 31) / 32, kGrain / 32, [&](int64_t b0, int64_t b1) {
+      std::vector<uint16_t> wb(32 * K, 0);
       AmxTiles tiles;
-      for (int64_t blk = b0; blk < b1; ++blk) {
-        const int64_t n0 = blk * 16, valid = std::min<int64_t>(16, N - n0);  // N is a multiple of 4
+      for (int64_t blk = b0; blk < b1; ++blk) {  // 32 outputs: two weight blocks (N is a multiple of 4)
+        const int64_t n0 = blk * 32, valid = std::min<int64_t>(32, N - n0);
         for (int64_t j = 0; j < valid / kTile; ++j) {
           if (q8) bf16_unpack_tile<true>(wp, sp, K, n0 + j * kTile, wb.data() + j * kTile * K);
           else bf16_unpack_tile<false>(wp, sp, K, n0 + j * kTile, wb.data() + j * kTile * K);
         }
-        amx_bf16_block(wb.data(), xt.data(), M, K, yp + n0, N, static_cast<uint16_t>((1u << valid) - 1));
+        const uint16_t keep[2] = {static_cast<uint16_t>((1u << std::min<int64_t>(16, valid)) - 1),
+                                  static_cast<uint16_t>((1u << std::max<int64_t>(0, valid - 16)) - 1)};
+        amx_bf16_block(wb.data(), valid > 16 ? 2 : 1, xt.data(), M, K, yp + n0, N, keep);
       }
     });
     return y;

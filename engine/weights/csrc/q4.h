@@ -48,8 +48,10 @@ struct AmxTiles {       // the tile configuration, loaded in this thread for thi
 };
 // x's bf16 rows xb [M, K] -> xt [ceil(M / 16)][K / 2][16][2], zeroed by the caller (rows past M stay zero)
 void amx_bf16_rows(const uint16_t* xb, int64_t M, int64_t K, uint16_t* xt);
-// y[M, 16 outputs] (row stride ldy; `keep` masks outputs past N) from the block's bf16 weights wb [16][K]
-void amx_bf16_block(const uint16_t* wb, const uint16_t* xt, int64_t M, int64_t K, float* y, int64_t ldy, uint16_t keep);
+// y[M, na * 16 outputs] (row stride ldy; keep[a] masks block a's outputs past N) from the bf16 weights of na (1 or 2)
+// 16-output blocks, wb [na * 16][K]
+void amx_bf16_block(const uint16_t* wb, int na, const uint16_t* xt, int64_t M, int64_t K, float* y, int64_t ldy,
+                    const uint16_t* keep);
 // y += (x A^T) B^T per fused part (lora.cpp); a_t and b[s] in 32-output panels (engine/weights/lora.py panels), fp32
 // or bf16; slices (r0, r1, o0, o1)
 torch::Tensor lora_add(torch::Tensor y, torch::Tensor x, torch::Tensor a_t, std::vector<torch::Tensor> b,
