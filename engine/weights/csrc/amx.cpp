@@ -62,7 +62,7 @@ __attribute__((target("amx-tile"))) void release_tiles() { _tile_release(); }
 // C tiles of NA 16-output weight blocks (wb [NA * 16][K]) against NB 16-row tiles of x (xt, [NB][K / 2][16][2]), into
 // c [2][2][16][16] (block a, x tile b at (2a + b) * 256). At 2 x 2 every tile loaded serves two products. PREFETCH:
 // the x tiles of a later k-step are fetched into L1 first; at many rows (xt in L2) tile loads from L2 otherwise left
-// the tile unit idle (bench/results/amx_bf16/README.md: 0.75-0.89x the time at 128-512 rows).
+// the tile unit idle (bench/results/amx_bf16/README.md: 0.79-0.89x the time at 128-512 rows).
 template <int NA, int NB, bool PREFETCH>
 __attribute__((target("amx-tile,amx-bf16"))) void bf16_tiles(const uint16_t* wb, const uint16_t* xt, int64_t K,
                                                              float* c) {
@@ -132,7 +132,7 @@ __attribute__((target("avx512f"))) void amx_bf16_block(const uint16_t* wb, int n
   for (int64_t t0 = 0; t0 < T; t0 += 2) {
     const int64_t nb = std::min<int64_t>(2, T - t0);
     const uint16_t* xs = xt + t0 * P * 32;
-    if (T <= 2) {  // up to 32 rows (a row alone, a block): xt stays in L1, one weight block at a time measured best
+    if (T <= 2) {  // up to 32 rows (a row alone, a block): xt stays in L1; two by two measured no better there
       for (int a = 0; a < na; ++a)
         nb == 1 ? bf16_tiles<1, 1, false>(wb + a * 16 * K, xs, K, c + a * 512)
                 : bf16_tiles<1, 2, false>(wb + a * 16 * K, xs, K, c + a * 512);
