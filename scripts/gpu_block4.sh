@@ -46,7 +46,9 @@ case "$call" in
     wait "$A"; echo "train a: exit $?"; wait "$B"; echo "train b: exit $?"; smi_stop
     for r in a b; do
       echo "== $r"; tail -c 600 /tmp/train_$r.log; echo
-      cat "$out/$r/train.json" 2>/dev/null && mkdir -p /tmp/logs/$r && mv "$out/$r/train.json" "$out/$r/log.jsonl" /tmp/logs/$r/
+      # as it ran, `gpu train` returned train.json and log.jsonl; since then they travel as train-logs.tar
+      mkdir -p /tmp/logs/$r && mv "$out/$r/train-logs.tar" /tmp/logs/$r/ 2>/dev/null
+      mv "$out/$r/train.json" "$out/$r/log.jsonl" /tmp/logs/$r/ 2>/dev/null
       cp /tmp/train_$r.log /tmp/logs/train_$r.log
     done
     cp /tmp/smi.log /tmp/logs/ 2>/dev/null

@@ -288,8 +288,9 @@ def test_phase_from_a_run_directory_records_its_lineage(block):
 
 # ------------------------------------------------------------------------------------------ train, export
 def test_train_stage_resumes_and_returns_a_slim_checkpoint(block):
-    s4 = json.loads((block["root"] / "out4" / "train.json").read_text())
-    s5 = json.loads((block["root"] / "out5" / "train.json").read_text())
+    s4 = json.loads(gpu_block.read_logs(block["root"] / "out4")["train.json"])
+    s5 = json.loads(gpu_block.read_logs(block["root"] / "out5")["train.json"])
+    assert sorted(p.name for p in (block["root"] / "out5").iterdir()) == [gpu_block.SLIM, gpu_block.LOGS_TAR]
     assert (s4["step"], s4["steps_this_command"]) == (2, 2) and (s5["step"], s5["steps_this_command"]) == (3, 1)
     assert s4["answer_tokens_per_s"] > 0 and s4["model_tokens_per_s"] > s4["answer_tokens_per_s"]
     assert "gpu_peak_memory_gib" in s4 and (s4["gpu_peak_memory_gib"] is None) == (not torch.cuda.is_available())

@@ -331,3 +331,29 @@ def test_init_from_an_exported_adapter_file(tmp_path):
     with pytest.raises(ValueError, match="LoRA scale"):
         init_state(ad, 2 * c.alpha / c.rank)
 
+
+
+def test_init_from_a_lower_rank_grows_the_adapter_and_keeps_the_model(tmp_path):
+    """--init-from a rank-4 run into rank 8 at the same alpha/rank: the old directions fill the first rows of A and
+    columns of B, the new ones start as fresh LoRA (B zero), so the model's logits are unchanged, and they train."""
+    exs = examples(8)
+    small = Trainer(cfg(tmp_path / "a", max_steps=3), tiny_model(), exs, MASK, PAD)
+    small.run(tmp_path / "a" / "run")
+    sd = torch.load(sorted((tmp_path / "a" / "run").glob("ckpt-*.pt"))[-1], weights_only=False)
+    big = Trainer(cfg(tmp_path / "b", rank=8, alpha=16.0, max_steps=2), tiny_model(), exs, MASK, PAD)
+    fresh_a = {n: p.detach().clone() for n, p in big.model.named_parameters() if n.endswith(".lora_A")}
+    big.load_weights(sd)
+    ids = torch.tensor([exs[0].ids])
+    pos = torch.arange(ids.shape[1])[None]
+    with torch.no_grad():
+        torch.testing.assert_close(big.model(ids, pos, causal=True), small.model(ids, pos, causal=True))
+    params = dict(big.model.named_parameters())
+    for n, t in sd["trainable"].items():
+        if n.endswith(".lora_A"):
+            assert torch.equal(params[n][:4], t) and torch.equal(params[n][4:], fresh_a[n][4:]), n
+        elif n.endswith(".lora_B"):
+            assert torch.equal(params[n][:, :4], t) and not params[n][:, 4:].any(), n
+    big.run(tmp_path / "b" / "run")
+    assert any(params[n][:, 4:].any() for n in params if n.endswith(".lora_B")), "the new directions never trained"
+    with pytest.raises(ValueError, match="rank may only grow"):
+        Trainer(cfg(tmp_path / "c", rank=2, alpha=4.0), tiny_model(), exs, MASK, PAD).load_weights(sd)

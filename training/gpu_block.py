@@ -15,6 +15,8 @@ import os
 import shutil
 import subprocess
 import sys
+import tarfile
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,6 +37,9 @@ WHEELS = ("gguf==0.19.0",)  # pure Python; transformers reads the GGUF with it. 
 OUT_FILES, OUT_FILE_BYTES, OUT_BYTES = 8, 16 * MIB, 64 * MIB  # what $OUT may hand back per command
 SPLIT_BYTES = 15 * MIB  # part size for files too big for one $OUT file (a little under the limit)
 SLIM = "ckpt-slim.pt"
+# log.jsonl + train.json travel as one file: a rank-64 slim checkpoint takes 4 files (3 parts + parts.json), the
+# generator beside it 3, and $OUT holds 8.
+LOGS_TAR = "train-logs.tar"
 # The block's device commands (training/README.md's table; a test keeps the two equal). Each starts with the
 # device README's wheel install.
 PREFIX = ("python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "
@@ -56,11 +61,13 @@ SEED_DATA = "training/data/selfinstruct"
 DATA_SEED = 3  # Magpie rounds: seed 0 block 1, 1 block 2, 2 block 3
 DATA_ARGS = (f"--seed-from {SEED_DATA} --seed {DATA_SEED} --magpie 30000 --magpie-batch 1024 --batch-size 256 "
              "--max-new-tokens 256 --time-budget 300 --threads 6")
-# Peak lr 5e-5, not block 3's 2e-4: p5's log (bench/results/gpu_h100_2026-11-27/log_p5.jsonl, loss-token weighted)
-# read 2.42 in its first 10 steps (lr <= 1e-4, epoch 1), 2.51 once lr reached 1.1-2e-4 (steps 11-20), 2.47-2.49 at the
-# peak and fell back only below ~6e-5 (2.41, 2.40 in epoch 2): the peak pushed the shipped adapter out of its minimum
-# and the block spent its steps coming back.
-TRAIN_ARGS = ("--answers finish --batch-size 64 --micro-batch 32 --max-len 512 --rank 32 --alpha 64 --lr 5e-5 "
+# Peak lr 5e-5, not block 3's 2e-4 (p5's loss rose from 2.42 to 2.51 once its lr passed 1e-4, fell back only below
+# ~6e-5). Block 4 trained at 5e-5 and its loss stayed flat too (p6a: 2.48 -> 2.47 over 402 steps; neither p6a nor
+# p6b beat the shipped adapter, bench/results/gpu_h200_2026-11-28): at rank 32 this data no longer moves the adapter.
+# Block 5 adds capacity: rank 64 grown from the shipped rank-32 adapter (`--init-from` fills the first 32 directions,
+# the new ones start at B = 0, so training starts from the shipped model; alpha 128 keeps alpha/rank at 2). The
+# slim checkpoint is then 39 MB (3 parts): 5 train + 3 data files, ~43 MB, still inside $OUT's limits.
+TRAIN_ARGS = ("--answers finish --batch-size 64 --micro-batch 32 --max-len 512 --rank 64 --alpha 128 --lr 5e-5 "
               "--warmup-steps 20 --save-every-s 120 --threads 6")
 # ~1.36 steps of 64 a second beside the generator (block 3): 6.5 minutes ~ 530 steps; 20,545 answers kept by `finish`
 # at max-len 512 are 321 steps an epoch, so 1.6 epochs (514 steps) end the schedule inside the call.
@@ -116,9 +123,19 @@ def unpack(src: Path, data: Path, run: Path) -> list[str]:
         joined = weights.join(parts.parent, tmp / weights.PartSet.read(parts).file)
         placed.append(_place(joined, data, run, move=True))
     for f in sorted(src.iterdir()):
-        if f.is_file():
+        if f.is_file() and f.name == LOGS_TAR:  # the trainer's small files, one $OUT file for all of them
+            with tarfile.open(f) as tar, tempfile.TemporaryDirectory() as tmp:
+                tar.extractall(tmp, filter="data")
+                placed += [_place(m, data, run, move=True) for m in sorted(Path(tmp).iterdir())]
+        elif f.is_file():
             placed.append(_place(f, data, run, move=False))
     return placed
+
+
+def read_logs(out: Path) -> dict[str, str]:
+    """The trainer's small files in a command's $OUT (`train.json`, `log.jsonl`) by name, as text."""
+    with tarfile.open(out / LOGS_TAR) as tar:
+        return {m.name: tar.extractfile(m).read().decode() for m in tar.getmembers() if m.isfile()}
 
 
 def _place(f: Path, data: Path, run: Path, move: bool) -> str:
@@ -429,6 +446,9 @@ def stage_train(out: Path, cfg: TrainConfig, parts_dir: Path = PARTS_DIR) -> dic
     shutil.rmtree(stage, ignore_errors=True)
     stage.mkdir()
     (stage / "train.json").write_text(json.dumps(summary, indent=1))
-    col = collect([slim_checkpoint(ckpt, stage / SLIM), log, stage / "train.json"], out)
+    with tarfile.open(stage / LOGS_TAR, "w") as tar:
+        for f in (log, stage / "train.json"):
+            tar.add(f, arcname=f.name)
+    col = collect([slim_checkpoint(ckpt, stage / SLIM), stage / LOGS_TAR], out)
     shutil.rmtree(stage, ignore_errors=True)
     return {**summary, "out": col.files}

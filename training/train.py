@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 from tqdm import tqdm
 
 from . import adapter_io
@@ -157,6 +157,22 @@ def phase_summary(sd: dict) -> dict:
 def phases(sd: dict) -> list[dict]:
     """Every phase that made a checkpoint's weights, earliest first: the runs it was initialised from, then itself."""
     return [*sd.get("prior_phases", []), phase_summary(sd)]
+
+
+def grow_into(param: Tensor, t: Tensor, name: str) -> None:
+    """Copy an init tensor into a parameter; a LoRA pair of a lower rank fills the first rows of A and the first
+    columns of B. The run's new directions keep their fresh init (A random, B zero), so B A, and the model, start
+    where the smaller adapter left them (same alpha/rank: `init_state` checks the scale) with more capacity to train."""
+    if t.shape == param.shape:
+        param.copy_(t)
+    elif name.endswith(".lora_A") and t.shape[1:] == param.shape[1:] and t.shape[0] < param.shape[0]:
+        param[: t.shape[0]].copy_(t)
+    elif name.endswith(".lora_B") and t.shape[0] == param.shape[0] and t.shape[1] < param.shape[1]:
+        param[:, : t.shape[1]].copy_(t)
+        param[:, t.shape[1]:].zero_()
+    else:
+        raise ValueError(f"init checkpoint: {name} is {tuple(t.shape)}, this run's {tuple(param.shape)} (a LoRA rank "
+                         "may only grow)")
 
 
 def init_state(path: Path, lora_scale: float) -> dict:
@@ -362,10 +378,10 @@ class Trainer:
         """Only the trained tensors of a checkpoint: a new phase (new data, fresh optimiser and schedule)."""
         params = dict(self.model.named_parameters())
         if set(sd["trainable"]) != set(self.names):
-            raise ValueError("init checkpoint: its trainable tensors differ from this run's (rank, --train-norms?)")
+            raise ValueError("init checkpoint: its trainable tensors differ from this run's (--train-norms?)")
         with torch.no_grad():
             for n, t in sd["trainable"].items():
-                params[n].copy_(t)
+                grow_into(params[n], t, n)
         self.prior_phases = phases(sd)
 
     def save(self, run: Path, keep: int = 2) -> Path:
