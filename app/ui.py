@@ -303,6 +303,19 @@ def build(studio: Studio, slots: int = SLOTS) -> gr.Blocks:
         assert len(widgets) == len(WIDGET_KEYS)
         private = dict(api_visibility="private", queue=False)
 
+        def at_once(check: Any, said: Any = render.field_error) -> Any:
+            """A run's input check outside the engine's queue (a second listener on the same click, queue=False): a
+            bad message, seed or threshold list is said beside its field at once, not after the decodes queued ahead
+            of it (on a shared Space, other users' answers). A good input changes nothing here: the queued handler,
+            which checks again, starts the run."""
+            def run(*args: Any) -> Any:
+                try:
+                    check(*args)
+                except ConfigError as e:
+                    return said(e)
+                return gr.update()
+            return run
+
         # ------------------------------------------------------------------ settings plumbing (not API)
         block.change(lambda bs, s: gr.update(choices=divisors(int(bs)), value=fit_sub_block(int(bs), s)),
                      [block, sub], sub, **private)
@@ -407,6 +420,8 @@ def build(studio: Studio, slots: int = SLOTS) -> gr.Blocks:
         idle = (lambda: (gr.update(interactive=True), gr.update(interactive=False)), None, [send, stop])
         quiet = dict(api_visibility="private", show_progress="hidden", **engine_slots(slots))  # the live view shows progress
         gr.on([msg.submit, send.click], chat_ui, *chat_args, **quiet).then(*idle, **private)
+        gr.on([msg.submit, send.click], at_once(lambda m, c, t, *v: studio.prepare(m, c, settings_from_widgets(*v))),
+              chat_args[0], send_error, **private)
 
         def pick_example(e: gr.SelectData) -> str:
             return e.value["text"]
@@ -509,6 +524,9 @@ def build(studio: Studio, slots: int = SLOTS) -> gr.Blocks:
 
         race_btn.click(race_ui, [race_msg, race_reps, traces, *widgets], race_outputs, **quiet).then(
             lambda: gr.update(interactive=True), None, race_btn, **private)
+        race_btn.click(at_once(lambda m, r, *v: (studio.race_preps(m, settings_from_widgets(*v)), check_repeats(r)),
+                               lambda e: render.race_html([], [], "Not started.") + render.field_error(e)),
+                       [race_msg, race_reps, *widgets], race_meters, **private)
 
         # ------------------------------------------------------------------ sweep
         def sweep_ui(request: gr.Request, message: str, ths: list, bss: list, reps: Any, *values: Any):
@@ -565,6 +583,9 @@ def build(studio: Studio, slots: int = SLOTS) -> gr.Blocks:
                         [sweep_plot, sweep_table, sweep_btn, sweep_stop, sweep_status], **quiet).then(
             lambda: (gr.update(interactive=True, value="Run sweep"), gr.update(interactive=False)), None,
             [sweep_btn, sweep_stop], **private)
+        sweep_btn.click(at_once(lambda m, t, b, r, *v: (studio.sweep_plan(m, t, b, settings_from_widgets(*v)),
+                                                        check_repeats(r))),
+                        [sweep_msg, sweep_th, sweep_bs, sweep_reps, *widgets], sweep_status, **private)
 
         api.register(studio, d, slots)
     return demo

@@ -57,6 +57,31 @@ def test_good_seeds_pass():
                                                                                  2**63 - 1]
 
 
+@pytest.mark.parametrize("button, field, message_id, said", [
+    ("fd-send", "fd-send-error", "fd-msg", "message: type a message first"),
+    ("fd-race", "fd-race-meters", "fd-race-msg", "message: type a message first"),
+    ("fd-sweep", "fd-sweep-status", "fd-sweep-msg", "message: type a message first")])
+def test_bad_input_is_said_without_waiting_for_the_engine_queue(server, button, field, message_id, said):
+    """Each run button has a second listener outside the queue (queue=False) that checks the same inputs: a bad one
+    is said in its field at once, not after the decodes queued ahead of it (2026-11-28: the race's inline error once
+    took over 60 s to show under the full suite's load). A good input changes nothing there."""
+    demo = server.demo
+    comps = {c["id"]: c for c in demo.config["components"]}
+    ids = {c.get("props", {}).get("elem_id"): i for i, c in comps.items()}
+    deps = [d for d in demo.config["dependencies"] if (ids[button], "click") in [tuple(t) for t in d["targets"]]
+            and ids[field] in d["outputs"] and d.get("queue") is False]
+    assert len(deps) == 1, f"{button}: one unqueued check writing {field}"
+    dep = deps[0]
+    values = [comps[i]["props"].get("value") for i in dep["inputs"]]
+    if button == "fd-sweep":  # the sweep's threshold and block-size choices start empty in the config
+        values[1], values[2] = [0.9], [32]
+    run = demo.fns[dep["id"]].fn
+    values[dep["inputs"].index(ids[message_id])] = "   "
+    assert said in run(*values)
+    values[dep["inputs"].index(ids[message_id])] = HAIKU
+    assert run(*values) == {"__type__": "update"}
+
+
 def test_api_refuses_a_bad_seed_with_its_range(client):
     with pytest.raises(Exception) as err:
         client.predict("hi", [], {"seed": -5, "max_new_tokens": 4}, api_name="/generate")
