@@ -53,7 +53,8 @@ class Timers:
 
 
 class TimedStep:
-    """A model's one-call layer step (engine/weights/quant.py LayerStep) with a timer: attention and MLP in one."""
+    """A model's one-call layer steps (engine/weights/layer_step.py LayerSteps: every layer in one kernel call) with a
+    timer: attention and MLP of all layers in one number."""
 
     def __init__(self, step: Any, tm: Timers):
         self.step, self.tm, self.max_width = step, tm, step.max_width
@@ -75,7 +76,7 @@ def breakdown(eng, ids: list[list[int]], cfg, sync: bool) -> dict[str, Any]:
         tm.attach(layer.mlp, "mlp")
     steps = model.steps
     if steps is not None:
-        model.steps = [TimedStep(s, tm) for s in steps]
+        model.steps = TimedStep(steps, tm)
     try:
         res = eng.generate_ids(ids, cfg, record=False)
     finally:

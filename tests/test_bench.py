@@ -336,3 +336,25 @@ def test_cpu_shape_projection_counts_each_caches_whole_block_forwards():
     assert p["schedules"]["dual"]["diffusion_over_ar"] == pytest.approx(32 / (4 * 8 + 7 + (f - 5) * 2))
     assert p["block_ms"] == pytest.approx(10 + (f - 1) * 2) and p["refresh_over_x1"] == 8.0
     assert projection(ms, 32.0, dec)["schedules"]["dual"]["block_ms"] == pytest.approx(39)  # never fewer steps than 0
+
+
+def test_profile_splits_a_decode_on_the_one_call_layer_steps(adapter_env, monkeypatch):
+    """`bench profile` on the engine's 4-bit default, where every layer of a narrow forward runs in one kernel call
+    (LayerSteps): the timer must stand in for that one object (it was a list of per-layer wrappers, which the forward
+    cannot call: the command crashed with AttributeError), the time lands in 'layer steps', and the model gets its
+    own steps back."""
+    from bench.profile import breakdown
+    from engine import Engine
+
+    monkeypatch.setenv("FASTDLLM_WEIGHTS", "int4+bf16")
+    monkeypatch.setenv("FASTDLLM_FUSED", "1")
+    q = Engine.load()
+    ids = [q.encode(q.chat_prompt([{"role": "user", "content": "Name three colours."}]))]
+    for mode in ("ar", "diffusion"):
+        model = q.lm.dllm if mode == "diffusion" else q.lm.base
+        steps = model.steps
+        assert steps is not None, "the 4-bit default runs its narrow forwards as one call"
+        rep = breakdown(q, ids, q.decode_config(mode=mode, max_new_tokens=8), sync=False)
+        assert rep["parts_seconds"]["layer_steps"] > 0 and rep["forwards"] > 0, rep
+        assert rep["engine_seconds"] >= rep["forward_seconds"] > 0
+        assert model.steps is steps
