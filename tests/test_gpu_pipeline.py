@@ -195,6 +195,19 @@ def test_runbook_table_is_the_plan():
     assert calls[-1]["command"].index("gpu train") < calls[-1]["command"].index("bench gpu")  # a cut bench loses no weights
 
 
+def test_the_plans_training_options_parse_and_grow_the_shipped_adapter():
+    """The options after `--` in the block's train command are `train`'s own (a typo would cost a GPU block), and the
+    adapter they start from loads at their LoRA scale into a rank at least its own (block 5 grows 32 -> 64)."""
+    from training.__main__ import parser, train_config
+    from training.train import init_state
+
+    opts = gpu_block.TRAIN.split(" -- ", 1)[1].split()
+    c = train_config(parser().parse_args(["train", "--data", "d", "--run", "r", *opts]))
+    st = init_state(gpu_block.REPO / c.init_from, c.alpha / c.rank)  # refuses another alpha/rank
+    ranks = {t.shape[0] for n, t in st["trainable"].items() if n.endswith(".lora_A")}
+    assert ranks and max(ranks) <= c.rank and c.lr <= 1e-4
+
+
 def test_collect_splits_big_files_and_enforces_out_limits(tmp_path):
     big = tmp_path / "big.bin"
     big.write_bytes(os.urandom(gpu_block.SPLIT_BYTES + 1000))
