@@ -11,22 +11,10 @@
 set -uo pipefail
 call=${1:?usage: bash scripts/gpu_block3.sh CALL}
 out=${OUT:?OUT must be set (the device tool sets it)}
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-  && export PYTHONPATH=/tmp/site || exit 1
-export PYTHONUNBUFFERED=1
+source "$(dirname "$0")/gpu_lib.sh"  # wheels, unbuffered output, smi_start / smi_stop
 TRAIN="--answers finish --batch-size 64 --micro-batch 32 --max-len 512 --rank 32 --alpha 64 --lr 2e-4 --warmup-steps 20 --save-every-s 120 --threads 6"
-smi_start() { nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader,nounits -l 2 >/tmp/smi.log 2>&1 & SMI=$!; }
-smi_stop() {
-  kill "$SMI" 2>/dev/null
-  awk -F', ' '{u+=$1; n++; if ($2>m) m=$2} END {if (n) printf "nvidia-smi: GPU busy mean %.0f %% over %d samples (2 s), memory used max %d MiB\n", u/n, n, m}' /tmp/smi.log
-}
 case "$call" in
-1)  nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm,clocks.max.mem --format=csv >"$out/nvidia_smi.csv" 2>&1
-    cat "$out/nvidia_smi.csv"; python3 -c "import torch; print('torch', torch.__version__, torch.version.cuda)"
-    python3 -m training gpu weights --out "$out"
-    timeout 120 python3 -m pytest -m cuda tests/test_cuda.py -q -rs -p no:cacheprovider >"$out/cuda_tests.log" 2>&1
-    echo "cuda tests: exit $?"; tail -25 "$out/cuda_tests.log" ;;
-2|3) python3 -m training gpu weights --out "$out" ;;
+1|2|3) parts_call "$call" ;;  # scripts/gpu_lib.sh: a GGUF part; call 1 also nvidia-smi and the CUDA tests
 4)  python3 -m training gpu weights --out /tmp/w && cat /tmp/w/weights.json || exit 1
     export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
     smi_start
