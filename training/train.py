@@ -87,7 +87,7 @@ class TrainConfig:
     init_from: Path | None = field(default=None, metadata=opt(
         "new run only: start from the adapter weights of this checkpoint (or a run directory's latest), or of"
         ' an exported adapter file (.safetensors, e.g. the shipped one; LoRA read back from bf16); fresh '
-        'optimiser/schedule'))
+        'optimiser/schedule; a lower rank grows into --rank (same alpha/rank; new directions start at B = 0)'))
     compile: bool = field(default=False, metadata=opt(
         'torch.compile each decoder layer (regional: one compiled graph serves every layer; the recipe attention '
         'runs outside it as before). GPU block 3\'s profile: the largest share of a step\'s kernel time is small elementwise '
