@@ -357,6 +357,9 @@ def add_parser(sub) -> None:
     p.add_argument("--bundled-seconds", type=float, default=60.0,
                    help="bundled section: start no new prompt after this many seconds (the first always runs)")
     p.add_argument("--clients", type=int, default=8, help="clients section: requests at once")
+    p.add_argument("--clients-check-dtype", default="float32",
+                   help="clients section: run again in this dtype when the engine's differs (bf16 on CUDA), to tell "
+                        "rounding from a batching bug where batched answers differ from single-user ones ('' skips)")
     p.add_argument("--sections", default="roofline,engine,bundled,clients")
     p.add_argument("--threads", type=int, default=None)
     p.set_defaults(func=main)

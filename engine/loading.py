@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .config import ModelConfig
+from .config import ConfigError, ModelConfig
 from .model import CausalLM
 from .runtime import Runtime
 from .weights import kernels as cpu_kernels, packing, quant
@@ -66,6 +66,10 @@ def load(model: str | None = None, device: str | None = None, dtype: str | None 
     # 4-bit by default on CPU: the bundled model from its GGUF's own blocks, any other checkpoint quantised at load
     unfit = four_bit_unfit(cfg0) if source.kind != "bundled" else None
     four_bit = dev.type == "cpu" and policy.mode != "fp32" and unfit is None
+    if four_bit and dt != torch.float32:  # its kernels take and give fp32 rows (bf16 / int8 only inside them)
+        raise ConfigError("dtype", f"the CPU's 4-bit weights (FASTDLLM_WEIGHTS={policy.mode}) run with float32 "
+                                   f"activations, not {str(dt).removeprefix('torch.')}: leave dtype at its default, or "
+                                   "set FASTDLLM_WEIGHTS=fp32 for a dense model in that dtype")
     quantised = None
     if four_bit and source.kind != "bundled":
         base, quantised = build_four_bit(source.path, cfg0, dev, dt, policy, rt.cache)

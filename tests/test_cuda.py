@@ -196,7 +196,9 @@ def test_gpu_bench_smoke_runs_every_section(tmp_path, capsys):
     from bench.__main__ import main
 
     dev = "cuda" if torch.cuda.is_available() else "cpu"
-    assert main(["gpu", "--smoke", "--device", dev, "--out", str(tmp_path)]) == 0
+    # the clients' exactness check runs in another dtype than the engine's: fp32 beside CUDA's bf16; here bf16 beside fp32
+    check = [] if dev == "cuda" else ["--clients-check-dtype", "bfloat16"]
+    assert main(["gpu", "--smoke", "--device", dev, "--out", str(tmp_path), *check]) == 0
     r = json.loads((tmp_path / "gpu.json").read_text())
     assert r["errors"] == {} and r["device"] and r["probe_gbps"] > 0
     [roof] = r["roofline"]
@@ -215,6 +217,8 @@ def test_gpu_bench_smoke_runs_every_section(tmp_path, capsys):
         assert m["together"]["tokens"] == m["one_by_one"]["tokens"] and m["speedup"] > 0
         assert 0 < m["together"]["ttft_median_s"] <= m["together"]["ttft_max_s"] <= m["together"]["seconds"]
     assert c["ar"]["same_answers"] == 2  # AR batches are row-exact (docs/serving.md)
+    assert c["check"]["dtype"] == ("float32" if dev == "cuda" else "bfloat16") and "error" not in c["check"], c["check"]
+    assert all(0 <= c["check"][m]["same_answers"] <= 2 for m in ("ar", "diffusion"))
     assert len(list(tmp_path.iterdir())) <= 8, "the device tool brings back at most 8 files"
 
 

@@ -215,3 +215,14 @@ def test_engine_load_takes_its_switches_from_the_runtime_object(monkeypatch):
     assert eng.lm.base.steps is None and eng.lm.base.lm_head.core.kernels is None
     r = eng.generate("What is 2 + 3?", eng.decode_config(mode="ar", max_new_tokens=8), record=False)[0]
     assert r.summary.answer_tokens > 0
+
+
+def test_a_non_fp32_dtype_on_the_4bit_cpu_path_is_refused_by_name(monkeypatch):
+    """The CPU's 4-bit kernels take and give fp32 rows: `--dtype bfloat16` there crashed at the first decode
+    ("layer_step: x must be fp32"); now the load says which parameter and what to do instead."""
+    from engine import ConfigError
+    from engine.loading import load
+
+    monkeypatch.setenv("FASTDLLM_WEIGHTS", "int4+bf16")
+    with pytest.raises(ConfigError, match="dtype: the CPU's 4-bit weights .* not bfloat16.*FASTDLLM_WEIGHTS=fp32"):
+        load(None, "cpu", "bfloat16")
