@@ -445,6 +445,11 @@ def main(args: argparse.Namespace) -> int:
         from .gpu_clients import section_clients
 
         report["clients"] = guarded("clients", lambda: section_clients(args, dev))
+        measured = (report["clients"] or {}).get("dtype")
+        if measured and args.clients_check_dtype and args.clients_check_dtype != measured:
+            from .gpu_clients import section_clients_check
+
+            report["clients_check"] = guarded("clients_check", lambda: section_clients_check(args, dev, measured))
     try:
         report["plots"] = plot(report, out) if report.get("roofline") else "none: no roofline section"
     except ImportError as exc:

@@ -69,20 +69,23 @@ def section_clients(args, dev) -> dict[str, Any]:
         bundled_base_dir()
     except ModelSourceError as exc:  # no GGUF on this machine (training/README.md says how to carry it)
         return {"skipped": str(exc)}
-    out = measure(Engine(load(None, str(dev), None), static=True), args)
-    # Batched answers that differ from the single-user ones (block 4, an H200: 5 of 8 in diffusion, bf16) are either
-    # rounding (a batch of 8 runs other kernels than a batch of 1, and a 0.9 threshold turns a near-tie into another
-    # commit) or a batching bug. The same check in the exact dtype tells them apart: equal there, it was rounding.
-    check = getattr(args, "clients_check_dtype", "float32")
-    if check and check != out["dtype"]:
-        try:
-            exact = measure(Engine(load(None, str(dev), check), static=True), args)
-        except Exception as exc:  # noqa: BLE001 - the measured section above stands without its check
-            out["check"] = {"dtype": check, "error": f"{type(exc).__name__}: {exc}"}
-        else:
-            out["check"] = {k: exact[k] for k in ("dtype", "graphs")} | {
-                m: {"same_answers": exact[m]["same_answers"], "speedup": exact[m]["speedup"]} for m in ("ar", "diffusion")}
-    return out
+    return measure(Engine(load(None, str(dev), None), static=True), args)
+
+
+def section_clients_check(args, dev, measured_dtype: str) -> dict[str, Any] | None:
+    """Batched answers that differ from the single-user ones (block 4, an H200: 5 of 8 in diffusion, bf16) are either
+    rounding (a batch of 8 runs other kernels than a batch of 1, and a 0.9 threshold turns a near-tie into another
+    commit) or a batching bug. The same clients in the exact dtype tell them apart: equal there, it was rounding.
+    A section of its own, after `clients`: a run cut off here keeps the measured one (gpu.json is written between)."""
+    from engine import Engine
+    from engine.loading import load
+
+    check = args.clients_check_dtype
+    if not check or check == measured_dtype:
+        return None
+    exact = measure(Engine(load(None, str(dev), check), static=True), args)
+    return {k: exact[k] for k in ("dtype", "graphs")} | {
+        m: {"same_answers": exact[m]["same_answers"], "speedup": exact[m]["speedup"]} for m in ("ar", "diffusion")}
 
 
 def measure(eng, args) -> dict[str, Any]:
