@@ -445,11 +445,11 @@ def main(args: argparse.Namespace) -> int:
         from .gpu_clients import section_clients
 
         report["clients"] = guarded("clients", lambda: section_clients(args, dev))
-        measured = (report["clients"] or {}).get("dtype")
-        if measured and args.clients_check_dtype and args.clients_check_dtype != measured:
+        if measured := (report["clients"] or {}).get("dtype"):  # section_clients_check: None when dtypes agree
             from .gpu_clients import section_clients_check
 
-            report["clients_check"] = guarded("clients_check", lambda: section_clients_check(args, dev, measured))
+            if (check := guarded("clients_check", lambda: section_clients_check(args, dev, measured))) is not None:
+                report["clients_check"] = check
     try:
         report["plots"] = plot(report, out) if report.get("roofline") else "none: no roofline section"
     except ImportError as exc:
