@@ -176,7 +176,13 @@ class Int4Linear(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         w = self.weight
         x2 = x.reshape(-1, w.in_features)
-        if self.wide_rows is not None and (_width(x) >= self.wide_rows or WIDE_CALLS.get()):
+        wide = self.wide_rows is not None and (_width(x) >= self.wide_rows or WIDE_CALLS.get())
+        lora = self.lora
+        if wide and w.wide_bf16 and lora is not None and lora.kernels is not None and x.dtype == torch.float32:
+            # layer.cpp's product and delta in one call: on AMX tiles x A^T reuses the product's bf16 rows of x
+            y = w.kernels.q4_bf16_lora(x2.contiguous(), w.qs, w.dm, self.bias, lora.a_t, lora.b_list(), lora.bounds)
+            return y.view(*x.shape[:-1], w.out_features)
+        if wide:
             y = w.wide(x2).to(x.dtype)
         else:
             y = w.narrow(x2, self.act).to(x.dtype)

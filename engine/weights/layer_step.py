@@ -31,7 +31,7 @@ class LayerStep:
         if all(p.weight.pk is not None for p in projs):  # layer.cpp runs int8 products on the prepacked copies
             self.weights += [t for p in projs for t in (p.weight.pk, p.weight.ps)]
         self.lora_a = [p.lora.a_t if p.lora is not None else None for p in projs]
-        self.lora_b = [[p.lora._buffers[b] for b, *_ in p.lora.slices] if p.lora is not None else [] for p in projs]
+        self.lora_b = [p.lora.b_list() if p.lora is not None else [] for p in projs]
         self.slices = [p.lora.bounds if p.lora is not None else [] for p in projs]
         self.qkv_bias = projs[0].bias
 

@@ -67,11 +67,14 @@ class LoRA(nn.Module):
         self.whole = len(kept) == 1 and len(outs) == 1
         self.bounds = [v for _, *r in self.slices for v in r]  # lora_add's (r0, r1, o0, o1) per B, flat
 
+    def b_list(self) -> list[Tensor]:
+        """Each part's B buffer, in `bounds`' order (lora_add's and q4_bf16_lora's list)."""
+        return [self._buffers[b] for b, *_ in self.slices]
+
     def add_to(self, y: Tensor, x: Tensor) -> Tensor:
         """y [rows, sum outs] += the delta for x [rows, in], in place (both fp32)."""
         if self.kernels is not None and y.dtype == torch.float32 and y.is_contiguous():
-            return self.kernels.lora_add(y, x.float().contiguous(), self.a_t, [self._buffers[b] for b, *_ in self.slices],
-                                         self.bounds)
+            return self.kernels.lora_add(y, x.float().contiguous(), self.a_t, self.b_list(), self.bounds)
         h = x.to(torch.float32) @ self._plain("a_t", self.rank)
         if self.whole:
             return y.addmm_(h, self._plain("b_t0", self.slices[0][4] - self.slices[0][3]))

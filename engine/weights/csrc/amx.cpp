@@ -20,6 +20,8 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include <ATen/Parallel.h>
+
 #include <algorithm>
 #include <atomic>
 #include <mutex>
@@ -149,4 +151,46 @@ __attribute__((target("avx512f"))) void amx_bf16_block(const uint16_t* wb, int n
       }
     }
   }
+}
+
+// The LoRA's products on tiles (lora.cpp bf16_lora): y [M, N] (+)= x [Mp, K] W, W one of lora.py's bf16 panel stacks
+// ([ceil(N / 32)][K / 2][32][2]: a k-pair row is 128 bytes, half of it one tile row). Here the roles are the usual
+// ones: A = 16 rows of x (bf16, row-major, row stride ldx), B = 16 k-pairs of 16 outputs, so C holds y's rows as
+// they are (no transpose); each C element sums its own row over K (exact batching). C goes through a small buffer so
+// that rows past M and outputs past N are never written.
+__attribute__((target("amx-tile,amx-bf16,avx512f"))) void amx_bf16_panels(const uint16_t* x, int64_t ldx, int64_t M,
+                                                                          int64_t K, const uint16_t* w, int64_t N,
+                                                                          float* y, int64_t ldy, bool accumulate) {
+  const int64_t T = (M + 15) / 16, C = (N + 31) / 32;
+  at::parallel_for(0, T * C, 1, [&](int64_t i0, int64_t i1) {
+    AmxTiles tiles;
+    alignas(64) float c[2][16][16];
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t t = i / C, p = i % C;
+      const uint16_t* xs = x + t * 16 * ldx;
+      const uint16_t* wp = w + p * K * 32;
+      _tile_zero(0);
+      _tile_zero(1);
+      for (int64_t k = 0; k < K; k += 32) {
+        _tile_loadd(4, xs + k, 2 * ldx);
+        _tile_loadd(6, wp + k * 32, 128);       // k-pairs k / 2 .. + 16, outputs 0 .. 16 of the panel
+        _tile_loadd(7, wp + k * 32 + 32, 128);  // outputs 16 .. 32
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 4, 7);
+      }
+      _tile_stored(0, c[0], 64);
+      _tile_stored(1, c[1], 64);
+      for (int j = 0; j < 2; ++j) {
+        const int64_t n0 = p * 32 + j * 16, left = std::min<int64_t>(16, N - n0);
+        if (left <= 0) break;
+        const __mmask16 keep = static_cast<__mmask16>((1u << left) - 1);
+        for (int64_t r = 0; r < std::min<int64_t>(16, M - t * 16); ++r) {
+          float* out = y + (t * 16 + r) * ldy + n0;
+          __m512 v = _mm512_load_ps(c[j][r]);
+          if (accumulate) v = _mm512_add_ps(_mm512_maskz_loadu_ps(keep, out), v);
+          _mm512_mask_storeu_ps(out, keep, v);
+        }
+      }
+    }
+  });
 }

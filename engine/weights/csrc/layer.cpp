@@ -55,6 +55,7 @@ torch::Tensor project(const torch::Tensor& x, const std::vector<torch::Tensor>& 
   const torch::Tensor& sc = wt[2 * p + 1];
   // int8 activations: on the prepacked copy when the layer has one (weights 8..15: pk, ps per projection)
   const bool pre = wt.size() == 16;
+  if (wide == 1 && a.has_value()) return bf16_lora(x, w, sc, bias, *a, b, slices);  // lora.cpp: one bf16 x for both
   torch::Tensor y = wide == 1 ? q4_bf16(x, w, sc)
                     : wide == 2 || int8 ? (pre ? mm_i8_pre(x, wt[8 + 2 * p], wt[9 + 2 * p], w.size(0), false)
                                                : mm_i8_wide(x, w, sc, false))

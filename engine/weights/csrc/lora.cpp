@@ -87,26 +87,68 @@ void check_weight(const torch::Tensor& w, const char* what) {
               "lora_add: ", what, " must be contiguous fp32 or bf16 panels [N / 32, K, 32] (engine/weights/lora.py panels)");
 }
 
-}  // namespace
-
-torch::Tensor lora_add(torch::Tensor y, torch::Tensor x, torch::Tensor a_t, std::vector<torch::Tensor> b,
-                       std::vector<int64_t> slices) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.is_contiguous(), "lora_add: x must be a contiguous fp32 [M, K]");
-  TORCH_CHECK(y.dim() == 2 && y.scalar_type() == torch::kFloat && y.stride(1) == 1 && y.size(0) == x.size(0),
-              "lora_add: y must be fp32 [M, N] with unit column stride and x's rows");
-  check_weight(a_t, "A^T");
-  TORCH_CHECK(a_t.size(1) == x.size(1), "lora_add: A^T has ", a_t.size(1), " inputs, x ", x.size(1));
+// y += h B^T per slice (h [M, R] fp32, x A^T for every part; slices (r0, r1, o0, o1) per B). hb: h in bf16 rows
+// [ceil(M / 16) * 16, R] (AMX: the slices whose B is bf16 with whole 32-rank k-steps run on tiles), or undefined.
+void add_b(torch::Tensor& y, const torch::Tensor& h, const torch::Tensor& hb, const std::vector<torch::Tensor>& b,
+           const std::vector<int64_t>& slices) {
+  const int64_t R = h.size(1), M = h.size(0);
   TORCH_CHECK(slices.size() == 4 * b.size(), "lora_add: 4 slice bounds per B");
-  const int64_t M = x.size(0), R = a_t.size(0) * kCols;  // h's columns: the ranks, zero-padded to whole panels
-  auto h = torch::zeros({M, R}, x.options());
-  add_product(x.data_ptr<float>(), x.size(1), a_t, R, M, h.data_ptr<float>(), R);
   for (size_t s = 0; s < b.size(); ++s) {
     const int64_t r0 = slices[4 * s], r1 = slices[4 * s + 1], o0 = slices[4 * s + 2], o1 = slices[4 * s + 3];
     check_weight(b[s], "B^T");
     TORCH_CHECK(0 <= r0 && r0 <= r1 && r1 <= R && b[s].size(1) == r1 - r0 && 0 <= o0 && o0 <= o1 && o1 <= y.size(1) &&
                     b[s].size(0) == (o1 - o0 + kCols - 1) / kCols,
                 "lora_add: slice ", s, " does not fit (rank ", r0, "..", r1, " of ", R, ", outputs ", o0, "..", o1, ")");
-    add_product(h.data_ptr<float>() + r0, R, b[s], o1 - o0, M, y.data_ptr<float>() + o0, y.stride(0));
+    if (hb.defined() && b[s].scalar_type() == torch::kBFloat16 && (r1 - r0) % 32 == 0)
+      amx_bf16_panels(reinterpret_cast<const uint16_t*>(hb.data_ptr<at::BFloat16>()) + r0, R, M, r1 - r0,
+                      reinterpret_cast<const uint16_t*>(b[s].data_ptr<at::BFloat16>()), o1 - o0,
+                      y.data_ptr<float>() + o0, y.stride(0), true);
+    else
+      add_product(h.data_ptr<float>() + r0, R, b[s], o1 - o0, M, y.data_ptr<float>() + o0, y.stride(0));
   }
+}
+
+void check_y(const torch::Tensor& y, int64_t M) {
+  TORCH_CHECK(y.dim() == 2 && y.scalar_type() == torch::kFloat && y.stride(1) == 1 && y.size(0) == M,
+              "lora_add: y must be fp32 [M, N] with unit column stride and x's rows");
+}
+
+}  // namespace
+
+torch::Tensor lora_add(torch::Tensor y, torch::Tensor x, torch::Tensor a_t, std::vector<torch::Tensor> b,
+                       std::vector<int64_t> slices) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.is_contiguous(), "lora_add: x must be a contiguous fp32 [M, K]");
+  check_y(y, x.size(0));
+  check_weight(a_t, "A^T");
+  TORCH_CHECK(a_t.size(1) == x.size(1), "lora_add: A^T has ", a_t.size(1), " inputs, x ", x.size(1));
+  const int64_t M = x.size(0), R = a_t.size(0) * kCols;  // h's columns: the ranks, zero-padded to whole panels
+  auto h = torch::zeros({M, R}, x.options());
+  add_product(x.data_ptr<float>(), x.size(1), a_t, R, M, h.data_ptr<float>(), R);
+  add_b(y, h, torch::Tensor(), b, slices);
+  return y;
+}
+
+// Why: the fp32 FMAs of the delta ran at about half the time of the 4-bit products beside them on AMX tiles (a 16-row
+// block decode: 4.5 s against 9.6 s), and putting them on tiles alone did not pay, because each call rounded and laid
+// out its x again and the weights-as-A orientation transposed every output tile (bench/results/amx_bf16/lora_tiles/).
+// Here the product's own bf16 rows of x serve x A^T, and both products take x's rows as the tile's A operand and the
+// panels as its B, so C is the output's rows as they are. x and h enter in bf16, as x does the product.
+torch::Tensor bf16_lora(torch::Tensor x, torch::Tensor w, torch::Tensor dm, const c10::optional<torch::Tensor>& bias,
+                        torch::Tensor a_t, std::vector<torch::Tensor> b, std::vector<int64_t> slices) {
+  check_weight(a_t, "A^T");
+  if (!amx_bf16_on() || a_t.scalar_type() != torch::kBFloat16) {
+    torch::Tensor y = q4_bf16(x, w, dm);
+    if (bias.has_value()) y = y + *bias;
+    return lora_add(y, x, a_t, b, slices);
+  }
+  TORCH_CHECK(a_t.size(1) == x.size(1), "lora_add: A^T has ", a_t.size(1), " inputs, x ", x.size(1));
+  const int64_t M = x.size(0);
+  torch::Tensor h;
+  torch::Tensor y = mm_bf16(x, w, dm, false, &a_t, &h);
+  if (bias.has_value()) y = y + *bias;
+  check_y(y, M);
+  auto hb = torch::zeros({(M + 15) / 16 * 16, h.size(1)}, x.options().dtype(torch::kBFloat16));
+  hb.narrow(0, 0, M).copy_(h);
+  add_b(y, h, hb, b, slices);
   return y;
 }

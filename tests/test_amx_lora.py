@@ -1,0 +1,87 @@
+"""The dLLM's LoRA delta beside a bf16 product on AMX tiles (engine/weights/csrc/lora.cpp bf16_lora, amx.cpp
+amx_bf16_panels): x A^T from the product's own bf16 rows of x, h B^T on tiles where B is bf16 with whole 32-rank
+steps, the rest on the fp32 panels."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.weights import kernels as cpu_kernels, quant
+
+needs_amx = pytest.mark.skipif(
+    cpu_kernels.load("ours") is None or not cpu_kernels.bf16_ok() or not cpu_kernels.load("ours").amx_bf16_ready(),
+    reason="needs our kernels on a CPU with AVX-512 BF16 and AMX-BF16 (the delta then stays on the fp32 panels)")
+
+
+def _setup(seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    outs, k_in = [64, 40, 48], 128  # 40, 48: a panel's tail past the outputs (and past 16)
+    n = sum(outs)
+    blocks = quant.Q4Blocks(torch.randint(0, 16, (n, k_in), dtype=torch.uint8, generator=g),
+                            (torch.rand(n, k_in // 32, generator=g) * 0.01 + 0.002).half().float(),
+                            (-torch.rand(n, k_in // 32, generator=g) * 0.05).half().float())
+    ranks = [32, 64, 16]  # 16: not a whole k-step of a tile, so that part's B stays on the fp32 panels
+    parts = [((torch.randn(r, k_in, generator=g) * 0.3).bfloat16(), (torch.randn(o, r, generator=g) * 0.3).bfloat16())
+             for r, o in zip(ranks, outs)]
+    return quant.Int4Weight(blocks, dense_bf16=True), parts, outs, torch.randn(n, generator=g), g
+
+
+@needs_amx
+def test_lora_delta_shares_the_products_bf16_rows_on_tiles():
+    """The delta's numbers are those of bf16 x and bf16 h (the roundings the tiles take) up to fp32 summation order;
+    a row's result is the same at every row count and thread count (exact batching); with the tiles off the call is
+    q4_bf16 + bias + lora_add, bit for bit; the eager Int4Linear runs the same call as the fused layer step."""
+    k = cpu_kernels.load("ours")
+    w, parts, outs, bias, g = _setup()
+    lora = quant.LoRA(parts, outs, 2.0, k)
+    assert lora.a_t.dtype == torch.bfloat16 and all(b.dtype == torch.bfloat16 for b in lora.b_list())
+    x = torch.randn(100, 128, generator=g) * 2
+
+    def call(rows: torch.Tensor) -> torch.Tensor:
+        return k.q4_bf16_lora(rows.contiguous(), w.qs, w.dm, bias, lora.a_t, lora.b_list(), lora.bounds)
+
+    threads = torch.get_num_threads()
+    try:
+        k.set_amx(True)
+        y = call(x)
+        base = (k.q4_bf16(x, w.qs, w.dm) + bias).double()
+        # the reference: the same roundings (x, and h where B runs on tiles, to bf16), sums in float64
+        want = base.clone()
+        h = x.bfloat16().double() @ torch.cat([a for a, _ in parts]).double().t()
+        r0 = o0 = 0
+        for (a, b), o in zip(parts, outs):
+            hp = h[:, r0:r0 + a.shape[0]]
+            if a.shape[0] % 32 == 0:
+                hp = hp.float().bfloat16().double()
+            want[:, o0:o0 + o] += hp @ (b.double() * 2.0).t()
+            r0, o0 = r0 + a.shape[0], o0 + o
+        delta = float((want - base).abs().max())
+        assert float((y.double() - want).abs().max()) < 1e-4 * delta
+        for t in (1, 2):
+            torch.set_num_threads(t)
+            for rows in (1, 2, 9, 15, 16, 17, 32, 33, 64, 100):
+                assert torch.equal(call(x[:rows]), y[:rows]), (t, rows)
+            assert torch.equal(call(x[37:38]), y[37:38])
+        k.set_amx(False)
+        off = call(x)
+        assert torch.equal(off, lora.add_to(k.q4_bf16(x, w.qs, w.dm) + bias, x))  # the fp32 panels as before
+        assert float((off - y).abs().max()) < 2e-2 * delta  # bf16 x in the delta: near, not equal
+        assert not torch.equal(off, y)
+        k.set_amx(True)
+        lin = quant.Int4Linear(w, outs, wide_rows=2, lora=lora, bias=bias)
+        with torch.inference_mode():
+            assert torch.equal(lin(x[None, :9]), y[None, :9])  # a 9-wide eager call: the same kernel
+    finally:
+        torch.set_num_threads(threads)
+        k.set_amx(True)
+
+
+@needs_amx
+def test_lora_delta_on_tiles_refuses_misfits():
+    k = cpu_kernels.load("ours")
+    w, parts, outs, bias, g = _setup(1)
+    lora = quant.LoRA(parts, outs, 2.0, k)
+    with pytest.raises(RuntimeError, match="A\\^T has 128 inputs, x 64"):
+        k.q4_bf16_lora(torch.randn(3, 64), w.qs, w.dm, bias, lora.a_t, lora.b_list(), lora.bounds)
+    with pytest.raises(RuntimeError, match="slice 0 does not fit"):
+        k.q4_bf16_lora(torch.randn(3, 128), w.qs, w.dm, bias, lora.a_t, lora.b_list(), [0, 32, 0, 400] + lora.bounds[4:])
