@@ -113,8 +113,24 @@ void check_y(const torch::Tensor& y, int64_t M) {
               "lora_add: y must be fp32 [M, N] with unit column stride and x's rows");
 }
 
+// On tiles (AMX, A bf16): h = xb A^T from x's bf16 rows xb (bf16_rows), then h B^T from h's bf16 rows where B is
+// bf16 with whole 32-rank steps (the rest on the panels from fp32 h). Both products take the rows as the tile's A
+// operand and the panels as its B, so C is the output's rows as they are.
+void add_on_tiles(torch::Tensor& y, const torch::Tensor& xb, int64_t M, const torch::Tensor& a_t,
+                  const std::vector<torch::Tensor>& b, const std::vector<int64_t>& slices) {
+  const int64_t K = xb.size(1), R = a_t.size(0) * kCols;
+  auto h = torch::empty({M, R}, y.options());
+  amx_bf16_panels(reinterpret_cast<const uint16_t*>(xb.data_ptr<at::BFloat16>()), K, M, K,
+                  reinterpret_cast<const uint16_t*>(a_t.data_ptr<at::BFloat16>()), R, h.data_ptr<float>(), R, false);
+  add_b(y, h, bf16_rows(h), b, slices);
+}
+
 }  // namespace
 
+// Why tiles: the fp32 FMAs of the delta ran at about half the time of the 4-bit products beside them on AMX tiles (a
+// 16-row block decode: 4.5 s against 9.6 s). Putting them on tiles with the weights as the tile's A operand did not
+// pay (each call laid x out in k-pair tiles and transposed every output tile: bench/results/amx_bf16/lora_tiles/);
+// with x's plain bf16 rows as A it does (bench/results/lora_amx/). x and h then enter in bf16, as x does the product.
 torch::Tensor lora_add(torch::Tensor y, torch::Tensor x, torch::Tensor a_t, std::vector<torch::Tensor> b,
                        std::vector<int64_t> slices) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.is_contiguous(), "lora_add: x must be a contiguous fp32 [M, K]");
@@ -122,33 +138,25 @@ torch::Tensor lora_add(torch::Tensor y, torch::Tensor x, torch::Tensor a_t, std:
   check_weight(a_t, "A^T");
   TORCH_CHECK(a_t.size(1) == x.size(1), "lora_add: A^T has ", a_t.size(1), " inputs, x ", x.size(1));
   const int64_t M = x.size(0), R = a_t.size(0) * kCols;  // h's columns: the ranks, zero-padded to whole panels
+  if (amx_bf16_on() && a_t.scalar_type() == torch::kBFloat16 && x.size(1) % 32 == 0) {
+    add_on_tiles(y, bf16_rows(x), M, a_t, b, slices);
+    return y;
+  }
   auto h = torch::zeros({M, R}, x.options());
   add_product(x.data_ptr<float>(), x.size(1), a_t, R, M, h.data_ptr<float>(), R);
   add_b(y, h, torch::Tensor(), b, slices);
   return y;
 }
 
-// Why: the fp32 FMAs of the delta ran at about half the time of the 4-bit products beside them on AMX tiles (a 16-row
-// block decode: 4.5 s against 9.6 s), and putting them on tiles alone did not pay, because each call rounded and laid
-// out its x again and the weights-as-A orientation transposed every output tile (bench/results/amx_bf16/lora_tiles/).
-// Here the product's own bf16 rows of x serve x A^T, and both products take x's rows as the tile's A operand and the
-// panels as its B, so C is the output's rows as they are. x and h enter in bf16, as x does the product.
 torch::Tensor bf16_lora(torch::Tensor x, torch::Tensor w, torch::Tensor dm, const c10::optional<torch::Tensor>& bias,
                         torch::Tensor a_t, std::vector<torch::Tensor> b, std::vector<int64_t> slices) {
   check_weight(a_t, "A^T");
-  if (!amx_bf16_on() || a_t.scalar_type() != torch::kBFloat16) {
-    torch::Tensor y = q4_bf16(x, w, dm);
-    if (bias.has_value()) y = y + *bias;
-    return lora_add(y, x, a_t, b, slices);
-  }
   TORCH_CHECK(a_t.size(1) == x.size(1), "lora_add: A^T has ", a_t.size(1), " inputs, x ", x.size(1));
-  const int64_t M = x.size(0);
-  torch::Tensor h;
-  torch::Tensor y = mm_bf16(x, w, dm, false, &a_t, &h);
+  torch::Tensor rows;
+  torch::Tensor y = mm_bf16(x, w, dm, false, &rows);
   if (bias.has_value()) y = y + *bias;
-  check_y(y, M);
-  auto hb = torch::zeros({(M + 15) / 16 * 16, h.size(1)}, x.options().dtype(torch::kBFloat16));
-  hb.narrow(0, 0, M).copy_(h);
-  add_b(y, h, hb, b, slices);
+  check_y(y, x.size(0));
+  if (amx_bf16_on() && a_t.scalar_type() == torch::kBFloat16) add_on_tiles(y, rows, x.size(0), a_t, b, slices);
+  else lora_add(y, x, a_t, b, slices);
   return y;
 }

@@ -288,16 +288,23 @@ torch::Tensor mm_f32(torch::Tensor x, torch::Tensor w, torch::Tensor sc, bool q8
   return y;
 }
 
-__attribute__((target("avx512bf16"))) torch::Tensor mm_bf16(torch::Tensor x, torch::Tensor w, torch::Tensor sc, bool q8,
-                                                            const torch::Tensor* lora_a, torch::Tensor* h) {
-  const int64_t K = check(x, w, sc, q8, q8 ? "q8_bf16" : "q4_bf16"), M = x.size(0), N = w.size(0);
-  const int64_t Mp = (M + 15) / 16 * 16;  // whole 16-row tiles of xb for the LoRA's x A^T (zero past M)
+__attribute__((target("avx512bf16"))) torch::Tensor bf16_rows(const torch::Tensor& x) {
+  const int64_t M = x.size(0), K = x.size(1), Mp = (M + 15) / 16 * 16;
   auto xb = torch::empty({Mp, K}, x.options().dtype(torch::kBFloat16));
   const float* xp = x.data_ptr<float>();
   uint16_t* xbp = reinterpret_cast<uint16_t*>(xb.data_ptr<at::BFloat16>());
-  for (int64_t i = 0; i < M * K; i += 32)  // K is a multiple of 64
+  for (int64_t i = 0; i < M * K; i += 32)  // K is a multiple of 32
     _mm512_storeu_si512(xbp + i, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(xp + i + 16), _mm512_loadu_ps(xp + i)));
   std::fill(xbp + M * K, xbp + Mp * K, uint16_t{0});
+  return xb;
+}
+
+__attribute__((target("avx512bf16"))) torch::Tensor mm_bf16(torch::Tensor x, torch::Tensor w, torch::Tensor sc, bool q8,
+                                                            torch::Tensor* rows) {
+  const int64_t K = check(x, w, sc, q8, q8 ? "q8_bf16" : "q4_bf16"), M = x.size(0), N = w.size(0);
+  auto xb = bf16_rows(x);
+  if (rows != nullptr) *rows = xb;
+  uint16_t* xbp = reinterpret_cast<uint16_t*>(xb.data_ptr<at::BFloat16>());
   auto y = torch::empty({M, N}, x.options());
   const uint8_t* wp = w.data_ptr<uint8_t>();
   const at::Half* sp = sc.data_ptr<at::Half>();
@@ -319,15 +326,8 @@ __attribute__((target("avx512bf16"))) torch::Tensor mm_bf16(torch::Tensor x, tor
         amx_bf16_block(wb.data(), valid > 16 ? 2 : 1, xt.data(), M, K, yp + n0, N, keep);
       }
     });
-    if (lora_a != nullptr) {  // lora.cpp bf16_lora: h = x A^T from the same bf16 rows
-      const int64_t R = lora_a->size(0) * 32;
-      *h = torch::empty({M, R}, x.options());
-      amx_bf16_panels(xbp, K, M, K, reinterpret_cast<const uint16_t*>(lora_a->data_ptr<at::BFloat16>()), R,
-                      h->data_ptr<float>(), R, false);
-    }
     return y;
   }
-  TORCH_CHECK(lora_a == nullptr, "mm_bf16: the LoRA's x A^T runs on AMX tiles only");
   at::parallel_for(0, N / kTile, kGrain / kTile, [&](int64_t b0, int64_t b1) {
     std::vector<uint16_t> wb(kTile * K);
     for (int64_t blk = b0; blk < b1; ++blk) {

@@ -31,10 +31,10 @@ inline void for_passes(int64_t M, const Fn& fn) {
 // x [M, K] fp32 @ W^T -> [M, N] fp32; W Q4 (w, dm) or Q8 (w, d) in q4.cpp's tiled layout.
 torch::Tensor mm_f32(torch::Tensor x, torch::Tensor w, torch::Tensor sc, bool q8);
 torch::Tensor q4_bf16(torch::Tensor x, torch::Tensor w, torch::Tensor dm);  // needs AVX-512 BF16
-// q4_bf16 (q8 false) / q8_bf16; with lora_a (AMX only: lora.cpp bf16_lora) also *h = [M, R] fp32,
-// x A^T from the same bf16 rows of x, lora_a lora.py's bf16 panels [R / 32][K / 2][32][2]
-torch::Tensor mm_bf16(torch::Tensor x, torch::Tensor w, torch::Tensor sc, bool q8,
-                      const torch::Tensor* lora_a = nullptr, torch::Tensor* h = nullptr);
+// x [M, K] fp32 -> its bf16 rows [ceil(M / 16) * 16, K] (round to nearest even; zero past M: whole tiles), K % 32 == 0
+torch::Tensor bf16_rows(const torch::Tensor& x);
+// q4_bf16 (q8 false) / q8_bf16; *rows (if given): the product's bf16_rows(x), for the LoRA delta beside it (lora.cpp)
+torch::Tensor mm_bf16(torch::Tensor x, torch::Tensor w, torch::Tensor sc, bool q8, torch::Tensor* rows = nullptr);
 // int8 activations per row and 32-group on an interleave built per call (wide_i8.cpp)
 torch::Tensor mm_i8_wide(torch::Tensor x, torch::Tensor w, torch::Tensor sc, bool q8);
 // the same products on a copy prepacked once into that interleave (i8w_prepack -> pk, ps)
@@ -61,11 +61,10 @@ void amx_bf16_block(const uint16_t* wb, int na, const uint16_t* xt, int64_t M, i
 void amx_bf16_panels(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, const uint16_t* w, int64_t N, float* y,
                      int64_t ldy, bool accumulate);
 // y += (x A^T) B^T per fused part (lora.cpp); a_t and b[s] in 32-output panels (engine/weights/lora.py panels), fp32
-// or bf16; slices (r0, r1, o0, o1)
+// or bf16; slices (r0, r1, o0, o1). On AMX tiles when A is bf16 (x and h rounded to bf16), else fp32 FMAs.
 torch::Tensor lora_add(torch::Tensor y, torch::Tensor x, torch::Tensor a_t, std::vector<torch::Tensor> b,
                        std::vector<int64_t> slices);
-// y = q4_bf16(x) (+ bias) + the LoRA delta: on AMX tiles with a bf16 A, x A^T from the product's own bf16 rows of x
-// (one rounding and layout of x for both); elsewhere q4_bf16 and lora_add
+// y = q4_bf16(x) (+ bias) + the LoRA delta, which reuses the product's bf16 rows of x where it runs on tiles
 torch::Tensor bf16_lora(torch::Tensor x, torch::Tensor w, torch::Tensor dm, const c10::optional<torch::Tensor>& bias,
                         torch::Tensor a_t, std::vector<torch::Tensor> b, std::vector<int64_t> slices);
 
