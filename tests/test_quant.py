@@ -218,17 +218,8 @@ def test_wide_int8_kernels_on_the_interleave(gguf):
 def test_lora_kernel_keeps_the_files_weights_and_sums_each_row_alone():
     """engine/weights/csrc/lora.cpp: the adapter's delta in one call, with its weights as exact as the file (bf16 where
     bf16 holds them, B times a power-of-two scale included; fp32 otherwise), equal to ATen's fp32 products up to
-    summation order, each row the same whatever rows are beside it; a slice that does not fit is refused. These are
-    the fp32 FMAs on the panels (AMX tiles off; tests/test_amx_lora.py checks the tiles)."""
+    summation order, each row the same whatever rows are beside it; a slice that does not fit is refused."""
     k = cpu_kernels.load("ours")
-    k.set_amx(False)
-    try:
-        _lora_kernel_checks(k)
-    finally:
-        k.set_amx(True)
-
-
-def _lora_kernel_checks(k) -> None:
     g = torch.Generator().manual_seed(11)
     outs = [576, 192, 192, 40]  # 40: a partial 32-output chunk
     parts = [((torch.randn(32, 576, generator=g) * 0.05).bfloat16(), (torch.randn(o, 32, generator=g) * 0.05).bfloat16())

@@ -46,8 +46,8 @@ class LoRA(nn.Module):
     slice of the output (no block-diagonal zeros: q|k|v's were 2/3 zeros); the scale is folded into B; parts
     without an adapter are skipped. With our kernels (`kernels`): one call, `lora_add` (engine/weights/csrc/lora.cpp),
     the weights as exact as the file (bf16 when it holds them) in its panel layout (`panels`: a_t and each b_t as
-    [outputs / 32, inputs, 32]), each row summed on its own (fp32 FMAs; on AMX tiles where A is bf16, x and h then
-    rounded to bf16: bench/results/lora_amx/); otherwise ATen's fp32
+    [outputs / 32, inputs, 32]), each row summed on its own (fp32 FMAs; beside a bf16 product on AMX tiles, Int4Linear
+    and layer.cpp call q4_bf16_lora, which runs the delta on tiles too: bench/results/lora_amx/); otherwise ATen's fp32
     products (on this CPU a small bf16 GEMM costs a ~25 us floor in oneDNN, fp32 ones 3-25 us)."""
 
     def __init__(self, parts: list[tuple[Tensor, Tensor] | None], outs: list[int], scale: float,

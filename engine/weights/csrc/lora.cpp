@@ -127,10 +127,6 @@ void add_on_tiles(torch::Tensor& y, const torch::Tensor& xb, int64_t M, const to
 
 }  // namespace
 
-// Why tiles: the fp32 FMAs of the delta ran at about half the time of the 4-bit products beside them on AMX tiles (a
-// 16-row block decode: 4.5 s against 9.6 s). Putting them on tiles with the weights as the tile's A operand did not
-// pay (each call laid x out in k-pair tiles and transposed every output tile: bench/results/amx_bf16/lora_tiles/);
-// with x's plain bf16 rows as A it does (bench/results/lora_amx/). x and h then enter in bf16, as x does the product.
 torch::Tensor lora_add(torch::Tensor y, torch::Tensor x, torch::Tensor a_t, std::vector<torch::Tensor> b,
                        std::vector<int64_t> slices) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.is_contiguous(), "lora_add: x must be a contiguous fp32 [M, K]");
@@ -138,16 +134,17 @@ torch::Tensor lora_add(torch::Tensor y, torch::Tensor x, torch::Tensor a_t, std:
   check_weight(a_t, "A^T");
   TORCH_CHECK(a_t.size(1) == x.size(1), "lora_add: A^T has ", a_t.size(1), " inputs, x ", x.size(1));
   const int64_t M = x.size(0), R = a_t.size(0) * kCols;  // h's columns: the ranks, zero-padded to whole panels
-  if (amx_bf16_on() && a_t.scalar_type() == torch::kBFloat16 && x.size(1) % 32 == 0) {
-    add_on_tiles(y, bf16_rows(x), M, a_t, b, slices);
-    return y;
-  }
   auto h = torch::zeros({M, R}, x.options());
   add_product(x.data_ptr<float>(), x.size(1), a_t, R, M, h.data_ptr<float>(), R);
   add_b(y, h, torch::Tensor(), b, slices);
   return y;
 }
 
+// Why tiles: the fp32 FMAs of the delta ran at about half the time of the 4-bit products beside them on AMX tiles (a
+// 16-row block decode: 4.5 s against 9.6 s). Putting them on tiles with the weights as the tile's A operand did not
+// pay (each call laid x out in k-pair tiles and transposed every output tile: bench/results/amx_bf16/lora_tiles/);
+// with the product's own bf16 rows of x as A it does (bench/results/lora_amx/). x and h then enter in bf16, as x does
+// the product. lora_add alone (fp32 and int8 products) keeps the fp32 panels: there it measured no faster.
 torch::Tensor bf16_lora(torch::Tensor x, torch::Tensor w, torch::Tensor dm, const c10::optional<torch::Tensor>& bias,
                         torch::Tensor a_t, std::vector<torch::Tensor> b, std::vector<int64_t> slices) {
   check_weight(a_t, "A^T");

@@ -61,10 +61,11 @@ void amx_bf16_block(const uint16_t* wb, int na, const uint16_t* xt, int64_t M, i
 void amx_bf16_panels(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, const uint16_t* w, int64_t N, float* y,
                      int64_t ldy, bool accumulate);
 // y += (x A^T) B^T per fused part (lora.cpp); a_t and b[s] in 32-output panels (engine/weights/lora.py panels), fp32
-// or bf16; slices (r0, r1, o0, o1). On AMX tiles when A is bf16 (x and h rounded to bf16), else fp32 FMAs.
+// or bf16; slices (r0, r1, o0, o1); fp32 FMAs
 torch::Tensor lora_add(torch::Tensor y, torch::Tensor x, torch::Tensor a_t, std::vector<torch::Tensor> b,
                        std::vector<int64_t> slices);
-// y = q4_bf16(x) (+ bias) + the LoRA delta, which reuses the product's bf16 rows of x where it runs on tiles
+// y = q4_bf16(x) (+ bias) + the LoRA delta; on AMX tiles with a bf16 A the delta takes the product's own bf16 rows
+// of x (x and h enter it in bf16), elsewhere lora_add
 torch::Tensor bf16_lora(torch::Tensor x, torch::Tensor w, torch::Tensor dm, const c10::optional<torch::Tensor>& bias,
                         torch::Tensor a_t, std::vector<torch::Tensor> b, std::vector<int64_t> slices);
 
