@@ -89,3 +89,47 @@ def test_lora_delta_on_tiles_refuses_misfits():
         k.q4_bf16_lora(torch.randn(3, 64), w.qs, w.dm, bias, lora.a_t, lora.b_list(), lora.bounds)
     with pytest.raises(RuntimeError, match="slice 0 does not fit"):
         k.q4_bf16_lora(torch.randn(3, 128), w.qs, w.dm, bias, lora.a_t, lora.b_list(), [0, 32, 0, 400] + lora.bounds[4:])
+
+
+@needs_amx
+def test_fused_layer_step_runs_the_delta_on_tiles(monkeypatch):
+    """layer.cpp's wide bf16 projections call bf16_lora: with the adapter's A as bf16 panels the delta runs on tiles
+    (other numbers than the same A as fp32 panels, which keep the FMAs); with the tiles off both give the same bits."""
+    import copy
+
+    from engine import Engine
+    from engine.model import KVCache
+    from engine.weights.layer_step import LayerSteps
+    from engine.weights.lora import panels, unpanel
+
+    monkeypatch.setenv("FASTDLLM_WEIGHTS", "int4+bf16")  # the engine's default (tests default to fp32)
+    monkeypatch.setenv("FASTDLLM_FUSED", "1")
+    monkeypatch.delenv("FASTDLLM_WIDE_ACTIVATIONS", raising=False)
+    k = cpu_kernels.load("ours")
+    model = Engine.load().lm.dllm
+    steps = model.steps
+    assert steps is not None
+    fp32_steps = []
+    for s in steps:
+        s2 = copy.copy(s)
+        s2.lora_a = [None if a is None else panels(unpanel(a, a.shape[0] * 32).float()) for a in s.lora_a]
+        fp32_steps.append(s2)
+    fp32_a = LayerSteps(fp32_steps)
+    assert all(a.dtype == torch.float32 for a in fp32_a[0].lora_a if a is not None)
+    ids = torch.randint(0, 2000, (1, 41), generator=torch.Generator().manual_seed(3))
+    pos = torch.arange(41)[None]
+
+    def nine_wide(via) -> torch.Tensor:
+        model.steps = via
+        cache = KVCache(model.cfg, 1, 64, torch.device("cpu"), torch.float32)
+        model(ids[:, :32], pos[:, :32], cache=cache, start=0, causal=True)
+        return model(ids[:, 32:41], pos[:, 32:41], cache=cache, start=32, causal=False)
+
+    try:
+        with torch.inference_mode():
+            assert not torch.equal(nine_wide(steps), nine_wide(fp32_a))  # bf16 A: on the tiles
+            k.set_amx(False)
+            assert torch.equal(nine_wide(steps), nine_wide(fp32_a))  # both on the panels
+    finally:
+        model.steps = steps
+        k.set_amx(True)

@@ -7,7 +7,8 @@ A Q4_1 block stores 32 weights as q in 0..15 with an fp16 scale d and minimum m:
   FASTDLLM_ACTIVATIONS=int8, int8 ones per 32-group (VNNI, q4_i8w); wide calls dequantise tiles to bf16 in L1
   (q4_bf16, AVX-512 BF16; elsewhere a dense bf16 copy) or, with FASTDLLM_WIDE_ACTIVATIONS=int8, run q4_i8w too;
   the head keeps its Q8_0 rows as stored (q8_f32 / q8_bf16 / q8_i8w alike); the adapter's LoRA is one call
-  (lora_add; beside q4_bf16 one call with it, q4_bf16_lora, on AMX tiles from the product's bf16 x); int8 calls read a copy prepacked at load where the model has one (q4_i8p / q8_i8p, engine/weights/quant.py
+  (lora_add; beside q4_bf16 one call with the product, q4_bf16_lora, on AMX tiles from the product's bf16 x); int8
+  calls read a copy prepacked at load where the model has one (q4_i8p / q8_i8p, engine/weights/quant.py
   PREPACK_MAX_BYTES); and `LayerStep` (layer_step.py) runs a decoder layer of a cached forward in one C++ call.
 * torch (fallback, or FASTDLLM_KERNELS=torch): w = d*(q - 8) + (m + 8d) is torch's int4 weight-only format with
   group size 32 (`aten._weight_int4pack_mm_for_cpu`), bf16 activations and scales; a dense bf16 copy for wide
