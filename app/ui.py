@@ -419,9 +419,11 @@ def build(studio: Studio, slots: int = SLOTS) -> gr.Blocks:
         chat_args = ([msg, convo, traces, *widgets], chat_outputs)
         idle = (lambda: (gr.update(interactive=True), gr.update(interactive=False)), None, [send, stop])
         quiet = dict(api_visibility="private", show_progress="hidden", **engine_slots(slots))  # the live view shows progress
-        gr.on([msg.submit, send.click], chat_ui, *chat_args, **quiet).then(*idle, **private)
+        # the check first: Gradio's page sends a trigger's listeners one after another in the order they were
+        # added, each after the previous one has finished, so a check added after the queued run would wait for it
         gr.on([msg.submit, send.click], at_once(lambda m, c, t, *v: studio.prepare(m, c, settings_from_widgets(*v))),
               chat_args[0], send_error, **private)
+        gr.on([msg.submit, send.click], chat_ui, *chat_args, **quiet).then(*idle, **private)
 
         def pick_example(e: gr.SelectData) -> str:
             return e.value["text"]
@@ -522,11 +524,11 @@ def build(studio: Studio, slots: int = SLOTS) -> gr.Blocks:
                 new_trs = _entry(r.trace, new_trs, "race · ", _key(preps[0]))
             yield {traces: new_trs, **dict(zip(replay_outputs, _replay_outputs(new_trs, len(new_trs) - 1)))}
 
-        race_btn.click(race_ui, [race_msg, race_reps, traces, *widgets], race_outputs, **quiet).then(
-            lambda: gr.update(interactive=True), None, race_btn, **private)
         race_btn.click(at_once(lambda m, r, *v: (studio.race_preps(m, settings_from_widgets(*v)), check_repeats(r)),
                                lambda e: render.race_html([], [], "Not started.") + render.field_error(e)),
-                       [race_msg, race_reps, *widgets], race_meters, **private)
+                       [race_msg, race_reps, *widgets], race_meters, **private)  # first: see the chat's check
+        race_btn.click(race_ui, [race_msg, race_reps, traces, *widgets], race_outputs, **quiet).then(
+            lambda: gr.update(interactive=True), None, race_btn, **private)
 
         # ------------------------------------------------------------------ sweep
         def sweep_ui(request: gr.Request, message: str, ths: list, bss: list, reps: Any, *values: Any):
@@ -579,13 +581,13 @@ def build(studio: Studio, slots: int = SLOTS) -> gr.Blocks:
                 yield {sweep_status: f'<div class="fd-sweep-progress" role="status">Done: {len(plan)} point(s), '
                                      f'{reps} run(s) each.</div>{knobs}'}
 
+        sweep_btn.click(at_once(lambda m, t, b, r, *v: (studio.sweep_plan(m, t, b, settings_from_widgets(*v)),
+                                                        check_repeats(r))),
+                        [sweep_msg, sweep_th, sweep_bs, sweep_reps, *widgets], sweep_status, **private)  # first
         sweep_btn.click(sweep_ui, [sweep_msg, sweep_th, sweep_bs, sweep_reps, *widgets],
                         [sweep_plot, sweep_table, sweep_btn, sweep_stop, sweep_status], **quiet).then(
             lambda: (gr.update(interactive=True, value="Run sweep"), gr.update(interactive=False)), None,
             [sweep_btn, sweep_stop], **private)
-        sweep_btn.click(at_once(lambda m, t, b, r, *v: (studio.sweep_plan(m, t, b, settings_from_widgets(*v)),
-                                                        check_repeats(r))),
-                        [sweep_msg, sweep_th, sweep_bs, sweep_reps, *widgets], sweep_status, **private)
 
         api.register(studio, d, slots)
     return demo

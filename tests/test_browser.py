@@ -88,6 +88,19 @@ def _settings(pg, **values: float) -> None:
                          " e.dispatchEvent(new Event('change', {bubbles: true})); }", str(v))
 
 
+def fill_in_tab(pg, tab: str, box: str, text: str) -> None:
+    """Open a tab and type into one of its boxes once the tab's components have mounted and stayed: Gradio mounts a
+    tab's contents on its first visit, and a box filled in that moment may be replaced by the freshly mounted one
+    (2026-11-28, after a test that ran 8 clients: the race then ran on the box's default prompt)."""
+    pg.get_by_role("tab", name=tab).click()
+    pg.wait_for_selector(f"{box} textarea, {box} input")
+    pg.wait_for_function(f"""() => new Promise(done => {{ const el = document.querySelector('{box} textarea, {box} input');
+        setTimeout(() => done(document.querySelector('{box} textarea, {box} input') === el), 300); }})""", timeout=20_000)
+    field = pg.locator(f"{box} textarea, {box} input").first
+    field.fill(text)
+    assert field.input_value() == text
+
+
 def _send(pg, text: str) -> None:
     pg.fill("#fd-msg textarea", text)
     pg.keyboard.press("Enter")
@@ -289,8 +302,7 @@ def test_stopped_race_and_sweep_say_so(page):
     # as above: the first diffusion run lasts long enough for Stop to land in it (a short one ended before the click
     # arrived twice under two test workers, and the race went on to its AR run and its second diffusion run)
     pg.locator("#fd-cache input[value='none']").check()
-    pg.get_by_role("tab", name="Race").click()
-    pg.locator("#fd-race-msg textarea, #fd-race-msg input").first.fill(LONG_PROMPT)
+    fill_in_tab(pg, "Race", "#fd-race-msg", LONG_PROMPT)
     pg.click("#fd-race")
     pg.wait_for_function("document.querySelectorAll('#fd-race-d .fd-cell.fd-done').length >= 3", timeout=120_000)
     pg.click("#fd-race-stop")
@@ -299,8 +311,7 @@ def test_stopped_race_and_sweep_say_so(page):
     assert pg.locator("#fd-race-d .fd-badge-stopped").count() == 1
     assert "Not run" in pg.locator("#fd-race-ar").inner_text()
     pg.locator("#fd-cache input[value='dual']").check()
-    pg.get_by_role("tab", name="Sweep").click()
-    pg.locator("#fd-sweep-msg textarea, #fd-sweep-msg input").first.fill("Count from one to fifty, one per line.")
+    fill_in_tab(pg, "Sweep", "#fd-sweep-msg", "Count from one to fifty, one per line.")
     pg.click("#fd-sweep")
     pg.wait_for_function("document.querySelector('#fd-sweep-stop') && !document.querySelector('#fd-sweep-stop')"
                          ".disabled", timeout=60_000)

@@ -194,13 +194,12 @@ def test_send_errors_are_inline_and_keep_the_chat(page):
 
 
 def test_race_and_sweep_errors_are_inline(page):
+    from test_browser import fill_in_tab
+
     pg = page
-    pg.get_by_role("tab", name="Race").click()
-    pg.locator("#fd-race-msg textarea").fill("   ")
+    fill_in_tab(pg, "Race", "#fd-race-msg", "   ")
     pg.click("#fd-race")
-    # the check is instant, but the session's shared studio may still be finishing the test above's decode: under the
-    # full suite's load this wait once exceeded 20 s (2026-11-27); it passed alone and beside its neighbours
-    pg.wait_for_selector("#fd-race-meters .fd-field-error", timeout=60_000)
+    pg.wait_for_selector("#fd-race-meters .fd-field-error", timeout=20_000)
     assert "message: type a message first" in pg.locator("#fd-race-meters").inner_text()
     assert "Error" not in pg.locator("#fd-race-meters").inner_text().replace("⚠", "")
     pg.locator("#fd-race-msg textarea").fill(HAIKU)
@@ -212,6 +211,50 @@ def test_race_and_sweep_errors_are_inline(page):
     pg.wait_for_selector("#fd-sweep-status .fd-field-error", timeout=20_000)
     assert "thresholds: pick at least one threshold" in pg.locator("#fd-sweep-status").inner_text()
     pg.wait_for_function("!document.querySelector('#fd-sweep').disabled", timeout=20_000)
+
+
+def test_bad_input_is_said_while_the_engine_queue_is_full(browser, server):
+    """The checks outside the queue, in a browser: on a studio with one decoding slot, taken by a request that cannot
+    finish (the engine held), a blank chat, race or sweep message is said beside its field within seconds. Fails if
+    a check listener is added after its queued run (Gradio's page then sends it only once the run has finished)."""
+    from gradio_client import Client
+    from gradio_client.utils import Status
+
+    from app.studio import Studio
+    from app.ui import build, launch_kwargs
+    from conftest_app import StudioServer, free_port
+    from test_browser import fill_in_tab
+    from test_reliability import wait_until
+
+    demo = build(Studio(server.engine), slots=1)
+    port = free_port()
+    demo.queue().launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True,
+                        **launch_kwargs())
+    one_slot = StudioServer(f"http://127.0.0.1:{port}/", server.engine, demo)
+    pg, lock, job = None, server.engine.lock, None
+    try:
+        pg = _open(browser, one_slot, 1440, 1000)
+        with lock:  # the engine is "busy": the request below holds the only slot until the lock is released
+            job = Client(one_slot.url, verbose=False).submit("Say hello.", [], {"max_new_tokens": 4},
+                                                             api_name="/generate")
+            wait_until(lambda: job.status().code == Status.PROCESSING, 30)
+            pg.fill("#fd-msg textarea", "   ")
+            pg.click("#fd-send")
+            pg.wait_for_selector("#fd-send-error .fd-field-error", timeout=10_000)
+            assert "message: type a message first" in pg.locator("#fd-send-error").inner_text()
+            for tab, box, button, field in (("Race", "#fd-race-msg", "#fd-race", "#fd-race-meters"),
+                                            ("Sweep", "#fd-sweep-msg", "#fd-sweep", "#fd-sweep-status")):
+                fill_in_tab(pg, tab, box, "   ")
+                pg.click(button)
+                pg.wait_for_selector(f"{field} .fd-field-error", timeout=10_000)
+                assert "message: type a message first" in pg.locator(field).inner_text()
+            assert not job.done()  # all said while the slot was still taken
+        job.result(timeout=120)
+        assert not pg.errors, pg.errors
+    finally:
+        if pg is not None:
+            pg.close()
+        demo.close()
 
 
 def test_sweep_shows_progress_from_the_start(page):

@@ -261,7 +261,7 @@ def page(server):
 def test_browser_marks_a_capped_answer_and_race(page):
     """Bubble badge, greyed meters, live badge, the race's "did not finish" headline without a tokens/s ratio, and
     the banner's stop and loop rates, as a visitor sees them."""
-    from test_browser import ARTIFACTS, _send, _settings
+    from test_browser import ARTIFACTS, _send, _settings, fill_in_tab
 
     pg, fm = page, front_matter()
     long = pg.locator("#fd-long").inner_text()
@@ -283,8 +283,7 @@ def test_browser_marks_a_capped_answer_and_race(page):
     assert "Did not finish (cut at 8 tokens" in pg.locator("#fd-meters").inner_text()
     pg.screenshot(path=str(ARTIFACTS / "screenshot_unfinished.png"))
     # the race, both sides cut at 8 tokens: no tokens/s ratio, a plain headline
-    pg.get_by_role("tab", name="Race").click()
-    pg.locator("#fd-race-msg textarea, #fd-race-msg input").first.fill(HAIKU)
+    fill_in_tab(pg, "Race", "#fd-race-msg", HAIKU)
     reps = pg.locator("#fd-race-reps input[type=number]")
     reps.fill("1")
     reps.press("Enter")
