@@ -89,9 +89,10 @@ def _settings(pg, **values: float) -> None:
 
 
 def fill_in_tab(pg, tab: str, box: str, text: str) -> None:
-    """Open a tab and type into one of its boxes once the tab's components have mounted and stayed: Gradio mounts a
-    tab's contents on its first visit, and a box filled in that moment may be replaced by the freshly mounted one
-    (2026-11-28, after a test that ran 8 clients: the race then ran on the box's default prompt)."""
+    """Open a tab and type into one of its boxes once the tab's components have mounted and stayed the same for
+    0.3 s: Gradio mounts a tab's contents on its first visit, and a race box filled at once after the click kept its
+    default prompt for the run (2026-11-28, reproduced only after a test that ran 8 clients; the same element
+    watched every 10-20 ms never showed the text lost, so the exact cause is not known)."""
     pg.get_by_role("tab", name=tab).click()
     pg.wait_for_selector(f"{box} textarea, {box} input")
     pg.wait_for_function(f"""() => new Promise(done => {{ const el = document.querySelector('{box} textarea, {box} input');
