@@ -72,6 +72,11 @@ def test_bad_input_is_said_without_waiting_for_the_engine_queue(server, button, 
             and ids[field] in d["outputs"] and d.get("queue") is False]
     assert len(deps) == 1, f"{button}: one unqueued check writing {field}"
     dep = deps[0]
+    # added before the queued run on the same click: Gradio's page sends a trigger's listeners in that order, each
+    # after the previous one has finished (a check added after the run waited for the whole run)
+    runs = [d for d in demo.config["dependencies"] if (ids[button], "click") in [tuple(t) for t in d["targets"]]
+            and d.get("queue") is not False]
+    assert runs and all(dep["id"] < d["id"] for d in runs), (button, dep["id"], [d["id"] for d in runs])
     values = [comps[i]["props"].get("value") for i in dep["inputs"]]
     if button == "fd-sweep":  # the sweep's threshold and block-size choices start empty in the config
         values[1], values[2] = [0.9], [32]
