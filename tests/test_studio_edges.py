@@ -255,7 +255,7 @@ def test_bad_input_is_said_while_the_engine_queue_is_full(browser, server):
                 assert "message: type a message first" in pg.locator(field).inner_text()
             assert not job.done()  # all said while the slot was still taken
         job.result(timeout=120)
-        assert not pg.errors, pg.errors
+        assert not pg.errors and not pg.server_errors, (pg.errors, pg.server_errors)
     finally:
         if pg is not None:
             pg.close()
