@@ -88,15 +88,20 @@ def _settings(pg, **values: float) -> None:
                          " e.dispatchEvent(new Event('change', {bubbles: true})); }", str(v))
 
 
-def fill_in_tab(pg, tab: str, box: str, text: str) -> None:
-    """Open a tab and type into one of its boxes once the tab's components have mounted and stayed the same for
-    0.3 s: Gradio mounts a tab's contents on its first visit, and a race box filled at once after the click kept its
-    default prompt for the run (2026-11-28, reproduced only after a test that ran 8 clients; the same element
-    watched every 10-20 ms never showed the text lost, so the exact cause is not known)."""
+def open_tab(pg, tab: str, probe: str) -> None:
+    """Open a tab and wait until its element `probe` has mounted and stayed the same element for 0.3 s: Gradio mounts
+    a tab's contents on its first visit, and a race box filled at once after the click kept its default prompt for
+    the run (2026-11-28, reproduced only after a test that ran 8 clients; the same element watched every 10-20 ms never
+    showed the text lost, so the exact cause is not known)."""
     pg.get_by_role("tab", name=tab).click()
-    pg.wait_for_selector(f"{box} textarea, {box} input")
-    pg.wait_for_function(f"""() => new Promise(done => {{ const el = document.querySelector('{box} textarea, {box} input');
-        setTimeout(() => done(document.querySelector('{box} textarea, {box} input') === el), 300); }})""", timeout=20_000)
+    pg.wait_for_selector(probe)
+    pg.wait_for_function(f"""() => new Promise(done => {{ const el = document.querySelector('{probe}');
+        setTimeout(() => done(document.querySelector('{probe}') === el), 300); }})""", timeout=20_000)
+
+
+def fill_in_tab(pg, tab: str, box: str, text: str) -> None:
+    """open_tab, then type into its box `box` (a Gradio Textbox's elem_id selector) and check the text is there."""
+    open_tab(pg, tab, f"{box} textarea, {box} input")
     field = pg.locator(f"{box} textarea, {box} input").first
     field.fill(text)
     assert field.input_value() == text

@@ -199,7 +199,7 @@ def test_send_errors_are_inline_and_keep_the_chat(page):
 
 
 def test_race_and_sweep_errors_are_inline(page):
-    from test_browser import fill_in_tab
+    from test_browser import fill_in_tab, open_tab
 
     pg = page
     fill_in_tab(pg, "Race", "#fd-race-msg", "   ")
@@ -208,7 +208,7 @@ def test_race_and_sweep_errors_are_inline(page):
     assert "message: type a message first" in pg.locator("#fd-race-meters").inner_text()
     assert "Error" not in pg.locator("#fd-race-meters").inner_text().replace("⚠", "")
     pg.locator("#fd-race-msg textarea").fill(HAIKU)
-    pg.get_by_role("tab", name="Sweep").click()
+    open_tab(pg, "Sweep", "#fd-tab-sweep input[type=checkbox]")
     checked = pg.locator("#fd-tab-sweep input[type=checkbox]:checked")
     while checked.count():
         checked.first.uncheck()
