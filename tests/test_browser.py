@@ -402,10 +402,10 @@ def test_phone_layout_shows_the_live_view_while_streaming(browser):
     assert not pg.errors, pg.errors
 
 
-def test_bench_studio_sessions_share_forwards_and_answers(tmp_path, capsys):
+def test_bench_studio_sessions_report_forwards_and_answers(tmp_path, capsys):
     """`python -m bench studio` at toy size: its own studio process, 2 browser sessions, 8 AR tokens each; the
-    JSON has both phases' timings and the concurrent answers equal the one-session ones (fp32 weights, as the
-    suite pins them: AR batches are exact there)."""
+    JSON has both phases' timings and forward counts, and the concurrent answers equal the one-session ones (fp32
+    weights, as the suite pins them: AR batches are exact there)."""
     import bench.__main__ as bench_main
 
     out = tmp_path / "studio"
@@ -422,7 +422,10 @@ def test_bench_studio_sessions_share_forwards_and_answers(tmp_path, capsys):
         assert r["text"] and r["tokens"] == 8 and r["nfe"] == 8 and 0 < r["ttft"] <= r["latency"], r
     assert many["answer_tokens"] == one["answer_tokens"] == 16 and many["tokens_per_second"] > 0
     assert row["aggregate_speedup"] == round(many["tokens_per_second"] / one["tokens_per_second"], 3)
-    # the two rows shared forwards: fewer scheduler forwards than row-forwards (8 + 8 alone)
-    assert one["engine_forwards"] == 16 and many["engine_forwards"] < many["row_forwards"] == 16
+    # scheduler forwards against row-forwards (8 + 8 alone). Whether two browser sends overlap at all depends on when
+    # each page's request arrives: an 8-token AR answer takes ~0.1 s, and once (2026-11-28, the suite's other worker
+    # busy) the second arrived after the first had finished. That rows share forwards is asserted where the requests
+    # start together: tests/test_reliability.py::test_eight_users_share_forwards_and_each_get_their_own_answer.
+    assert one["engine_forwards"] == 16 and many["engine_forwards"] <= many["row_forwards"] == 16
     assert {"ttft_p50_s", "ttft_p95_s", "latency_p50_s"} <= set(many)
     assert "2 sessions tok/s" in capsys.readouterr().out
