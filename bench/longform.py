@@ -19,25 +19,34 @@ item's sequence elements (grading/checker.mention_pattern), in text order, as el
 marker opening a line ("12. ", "3) ") is not a mention.
 - match "list" (default): the mentions must contain the whole sequence as one contiguous run (every element,
   in order, nothing from the sequence in between), and at most EXTRA_MENTIONS mentions outside that run (room
-  for a restatement such as "from 1 to 20"; "..., Sunday, Sunday, Sunday" or a second pass is wrong).
+  for a restatement such as "from 1 to 20"; "..., Sunday, Sunday, Sunday" or a second pass is wrong). Where
+  every element belongs to a closed kind (bench/data/checkable_kinds.json: days, months, whole numbers, ...),
+  the kind's other words are mentions too, of no element: "September, October, November, February, December"
+  breaks the run, and counting on past the last number counts as extra.
 - match "steps" (procedures, stages): the elements occur in order as a subsequence of the mentions; other
-  mentions are free (a procedure names its water or its frog more than once).
+  mentions are free (a procedure names its water or its frog more than once). Where the elements are of a
+  closed kind (an arithmetic chain's numbers), the last one the answer says must be the last element: a chain
+  that wanders on through wrong results and passes the right ones on the way is wrong.
 Either way the answer is right only when also stopped (stop token) and not looping.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import re
 from dataclasses import dataclass
+from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
 from engine.finish import Finish, judge
 
-from grading.checker import load_eval_set, mention_pattern, normalise, read_records
+from grading.checker import WHOLE_NUMBER, load_eval_set, mention_pattern, normalise, read_records
 from .common import BENCH_DIR, progress
 
 CHECKABLE_SET = BENCH_DIR / "data" / "long_checkable.jsonl"
+KINDS_FILE = BENCH_DIR / "data" / "checkable_kinds.json"
+NUMBERS = "numbers"  # the kind of every whole number, matched by WHOLE_NUMBER instead of a word list
 EXTRA_MENTIONS = 2
 MATCH_RULES = ("list", "steps")
 _KEYS = {"id", "category", "prompt", "sequence", "match"}
@@ -108,20 +117,59 @@ def spread(items: list[dict[str, Any]], limit: int | None) -> list[dict[str, Any
 
 # ---------------------------------------------------------------------------------------------- grading
 
+@lru_cache(maxsize=1)
+def kinds() -> dict[str, frozenset[str]]:
+    """The closed kinds of bench/data/checkable_kinds.json, normalised; NUMBERS maps to an empty set."""
+    raw = json.loads(KINDS_FILE.read_text(encoding="utf-8")).get("kinds")
+    if not isinstance(raw, dict) or not raw:
+        raise ValueError(f"{KINDS_FILE}: 'kinds' must be an object of kind name -> list of words")
+    out: dict[str, frozenset[str]] = {}
+    for name, words in raw.items():
+        if name == NUMBERS:
+            out[name] = frozenset()
+        elif isinstance(words, list) and words and all(isinstance(w, str) and _ALNUM.search(w) for w in words):
+            out[name] = frozenset(normalise(w) for w in words)
+        else:
+            raise ValueError(f"{KINDS_FILE}: kind {name!r} must be a non-empty list of words")
+    return out
+
+
+def kinds_of(sequence: Sequence) -> list[str]:
+    """The kinds every element of the sequence belongs to (by one of its variants)."""
+    def member(kind: str, variants: tuple[str, ...]) -> bool:
+        return any(v.isdigit() if kind == NUMBERS else v in kinds()[kind] for v in variants)
+    return [k for k in kinds() if all(member(k, variants) for variants in sequence)]
+
+
+def distractors(sequence: Sequence) -> list[re.Pattern[str]]:
+    """Patterns of the words of the sequence's kinds that are no element of it (see the module docstring)."""
+    own = {v for variants in sequence for v in variants}
+    out: list[re.Pattern[str]] = []
+    for kind in kinds_of(sequence):
+        if kind == NUMBERS:
+            out.append(WHOLE_NUMBER)  # a number equal to an element is that element: elements win ties
+        else:
+            out += [mention_pattern(w) for w in sorted(kinds()[kind] - own)]
+    return out
+
+
 _MARKER = re.compile(r"^[ \t]*\d{1,3}[.)][ \t]+(?=\S)", re.M)  # "12. " or "3) " opening a line
 
 
-def mentions(text: str, sequence: Sequence) -> list[int]:
-    """Element index of each whole-word mention in `text`, in text order; overlapping matches keep the earlier,
-    then the longer one. Numbered-list markers are not mentions: "1. 1\n2. 2" counts 1, 2."""
+def mentions(text: str, sequence: Sequence, others: list[re.Pattern[str]] | None = None) -> list[int]:
+    """Element index of each whole-word mention in `text`, in text order, -1 for a match of one of `others`
+    (distractors: words of the sequence's kind that are no element); overlapping matches keep the earlier, then
+    the longer one, then an element's. Numbered-list markers are not mentions: "1. 1\n2. 2" counts 1, 2."""
     norm = normalise(_MARKER.sub("", text))
+    k = len(sequence)
     found = sorted((m.start(), -len(v), i, m.end()) for i, variants in enumerate(sequence) for v in variants
                    for m in mention_pattern(v).finditer(norm))
+    found += [(m.start(), -(m.end() - m.start()), k, m.end()) for p in others or () for m in p.finditer(norm)]
     out: list[int] = []
     end = -1
-    for start, _, i, stop in found:
+    for start, _, i, stop in sorted(found):
         if start >= end:
-            out.append(i)
+            out.append(i if i < k else -1)
             end = stop
     return out
 
@@ -147,13 +195,14 @@ def grade(text: str, stop_reason: str, sequence: list[Any], match: str = "list")
     seq = [_element(v) for v in sequence]
     if None in seq or not seq:
         raise ValueError(f"sequence {sequence!r}: elements must be non-empty strings or lists of them")
-    got = mentions(text, seq)  # type: ignore[arg-type]
+    others = distractors(seq)  # type: ignore[arg-type]
+    got = mentions(text, seq, others)  # type: ignore[arg-type]
     found = 0
     for i in got:
         found += i == found and found < len(seq)
     k = len(seq)
-    if match == "steps":
-        return Grade(judge(text, stop_reason), found == k, 0, found)
+    if match == "steps":  # with a closed kind (an arithmetic chain's numbers) the last one said is the result
+        return Grade(judge(text, stop_reason), found == k and (not others or got[-1] == k - 1), 0, found)
     run = next((j for j in range(len(got) - k + 1) if got[j:j + k] == list(range(k))), None)
     extra = len(got) - k if run is not None else len(got)
     return Grade(judge(text, stop_reason), run is not None, extra, found)

@@ -46,6 +46,10 @@ def mention_pattern(element: str) -> re.Pattern[str]:
     return re.compile(pattern)
 
 
+# Any whole number, with mention_pattern's boundaries for digits ("3" in "3.5" is not one; "2nd" is not one).
+WHOLE_NUMBER = re.compile(r"(?<!\d\.)" + _NOT_BEFORE + r"\d+" + _NOT_AFTER + r"(?!\.\d)")
+
+
 def is_correct(output: str, answers: list[str]) -> bool:
     """Return True when any answer occurs in output as a whole word/phrase, ignoring case."""
     text = normalise(output)

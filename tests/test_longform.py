@@ -10,6 +10,7 @@ import pytest
 
 from bench.longform import CHECKABLE_SET, EXTRA_MENTIONS, grade, load_checkable, mentions, spread
 from engine.finish import judge
+from training.data_prompts import normalise_prompt
 
 ROOT = Path(__file__).resolve().parent.parent
 DAYS = ["Monday", "Tuesday", "Wednesday", "Thursday", "Friday", "Saturday", "Sunday"]
@@ -69,6 +70,57 @@ def test_numbers_match_whole_numbers_in_any_list_layout():
     assert not grade("1, 2, 3, 4, 5, 6, 7, 8, 9, 100", "stop_token", seq).right
 
 
+@pytest.mark.parametrize("text,seq,why", [
+    (", ".join(str(i) for i in range(1, 21)), [str(i) for i in range(1, 16)], "counts on past 15"),
+    ("September, October, November, February, December", ["September", "October", "November", "December"],
+     "a month that is no element, inside the run"),
+    (", ".join(DAYS), DAYS[:4], "the whole week for Monday to Thursday"),
+    ("2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26", [str(i) for i in range(2, 21, 2)],
+     "even numbers on past 20 (3 more than EXTRA_MENTIONS allows)"),
+    ("Jupiter, Saturn, Pluto, Uranus, Neptune", ["Jupiter", "Saturn", "Uranus", "Neptune"], "Pluto inside the run"),
+    ("one, two, three, four, five, six, seven, eight, nine, ten, eleven, twelve, thirteen", "one two three four five "
+     "six seven eight nine ten".split(), "number words on past ten"),
+])
+def test_list_wrong_when_it_says_more_of_the_same_kind(text, seq, why):
+    """bench/data/checkable_kinds.json: a closed kind's other words are mentions of no element."""
+    g = grade(text, "stop_token", seq)
+    assert not g.right, why
+    assert not grade(text.replace(", ", " ").replace(",", " "), "stop_token", seq).right, why
+
+
+def test_kind_words_leave_restatements_and_other_kinds_alone():
+    mon_thu = DAYS[:4]
+    assert grade("From Monday to Thursday: Monday, Tuesday, Wednesday, Thursday.", "stop_token", mon_thu).right
+    assert grade("Monday, Tuesday, Wednesday, Thursday. Then Friday.", "stop_token", mon_thu).right  # 1 extra
+    assert not grade("Monday, Tuesday, Wednesday, Thursday. Then Friday and Saturday and Sunday.", "stop_token",
+                     mon_thu).right
+    seq = [str(i) for i in range(10, 101, 10)]
+    assert grade("Counting by tens: 10, 20, 30, 40, 50, 60, 70, 80, 90, 100. That is ten numbers.", "stop_token",
+                 seq).right  # "ten" is a number word, not a number: another kind
+    assert mentions("100, 10", [("10",)], [__import__("grading.checker").checker.WHOLE_NUMBER]) == [-1, 0]
+    assert grade("1. Monday\n2. Tuesday\n3. Wednesday\n4. Thursday", "stop_token", mon_thu).right  # markers
+
+
+def test_arithmetic_steps_must_end_at_the_result():
+    seq = ["6", "10", "20"]
+    ok = "Start with 3. Double it: 3 x 2 = 6. Add 4: 6 + 4 = 10. Multiply by 2: 10 x 2 = 20. The result is 20."
+    assert grade(ok, "stop_token", seq, "steps").right
+    wandering = "1. 3 x 2 = 6\n2. 6 + 4 = 10\n3. 10 x 2 = 20\n4. 20 x 2 = 40\n5. 40 + 4 = 44"
+    g = grade(wandering, "stop_token", seq, "steps")
+    assert g.found == 3 and not g.right  # the right results pass by on the way, but it ends at 44
+    # stages of a life cycle are no closed kind: the last word said is free
+    assert grade("Egg, caterpillar, chrysalis, adult butterfly. Then the adult lays an egg.", "stop_token",
+                 BUTTERFLY, "steps").right
+
+
+def test_every_list_item_of_the_sets_has_a_closed_kind():
+    from bench.longform import _element, kinds_of
+    for path in (CHECKABLE_SET, CHECKABLE_SET.with_name("long_checkable_b.jsonl")):
+        for it in load_checkable(path):
+            if it.get("match", "list") == "list":
+                assert len(kinds_of([_element(v) for v in it["sequence"]])) == 1, it["id"]
+
+
 def test_steps_allow_repeats_but_need_the_order():
     ok = ("A butterfly starts as an egg on a leaf. The egg hatches into a caterpillar (a larva) that eats leaves, "
           "then it forms a chrysalis. Inside the pupa it changes, and an adult butterfly comes out.")
@@ -83,8 +135,10 @@ def test_steps_allow_repeats_but_need_the_order():
 
 # ---------------------------------------------------------------------------------------------- the set
 
-def test_shipped_set_loads_and_its_model_answers_are_right():
-    items = load_checkable(CHECKABLE_SET)
+@pytest.mark.parametrize("path", [CHECKABLE_SET, CHECKABLE_SET.with_name("long_checkable_b.jsonl")],
+                         ids=["checkable", "checkable_b"])
+def test_shipped_set_loads_and_its_model_answers_are_right(path):
+    items = load_checkable(path)
     assert 32 <= len(items) <= 40 and len({it["category"] for it in items}) >= 8
     for it in items:  # a perfect answer, written from the sequence itself, must grade right; a capped one not
         first = [e if isinstance(e, str) else e[0] for e in it["sequence"]]
@@ -92,9 +146,10 @@ def test_shipped_set_loads_and_its_model_answers_are_right():
         assert grade(perfect, "stop_token", it["sequence"], it.get("match", "list")).right, it["id"]
         assert not grade(perfect, "max_new_tokens", it["sequence"], it.get("match", "list")).right, it["id"]
         assert not judge(perfect, "stop_token").looping
-    prompts = {json.loads(line)["prompt"] for f in ("eval_short.jsonl", "long_answer.jsonl")
+    others = {"eval_short.jsonl", "long_answer.jsonl", "long_checkable.jsonl", "long_checkable_b.jsonl"} - {path.name}
+    prompts = {normalise_prompt(json.loads(line)["prompt"]) for f in sorted(others)
                for line in (ROOT / "bench" / "data" / f).read_text().splitlines() if line.strip()}
-    assert not prompts & {it["prompt"] for it in items}  # not a copy of the other sets' prompts
+    assert not prompts & {normalise_prompt(it["prompt"]) for it in items}  # not a copy of the other sets' prompts
 
 
 @pytest.mark.parametrize("record,error", [
@@ -196,6 +251,39 @@ def test_quality_long_only_measures_every_mode_from_its_outputs(tmp_path, capsys
     # the check above would see complete-only computed over every answer
     assert discriminating, "no setting had complete answers with tokens per forward unlike the rest: pick other prompts"
     assert (out / "long.html").exists() and not (out / "quality.html").exists()
+    # bench regrade on this run: under the same rule nothing changes
+    assert main(["regrade", str(out / "results.json"), "--out", str(tmp_path / "rg.json")]) == 0
+    rows = json.loads((tmp_path / "rg.json").read_text())["rows"]
+    assert [(row["mode"], row["right"], row["changed"]) for row in rows] == \
+        [(r["mode"], r["checkable_right"], []) for r in report["results"]]
+
+
+def test_regrade_finds_answers_the_old_rule_called_right(tmp_path, capsys):
+    """A stored answer graded right by the rule before closed kinds (the whole week for Monday to Thursday, a
+    month inserted, counting on) is wrong when regraded; a right one stays right; the file is not rewritten."""
+    from bench.__main__ import main
+
+    items = {it["id"]: it for it in load_checkable(CHECKABLE_SET)}
+    answers = {"days-03": ("Wednesday, Thursday, Friday, Saturday, Sunday, Monday, Tuesday", False),  # whole week
+               "months-02": ("March, April, May, October, June, July, August", False),  # a month inside the run
+               "count-03": (", ".join(str(i) for i in range(1, 21)), False),  # 1-10, counted on to 20
+               "days-01": (", ".join(DAYS), True)}
+    outs = [{"id": i, "output": text, "stop_reason": "stop_token", "right": True, "in_order": True}
+            for i, (text, _) in answers.items()]
+    results = tmp_path / "results.json"
+    results.write_text(json.dumps({"kind": "quality", "args": {"checkable_set": str(CHECKABLE_SET)}, "results": [
+        {"mode": "diffusion", "threshold": 0.9, "checkable_outputs": outs, "checkable_right": 4,
+         "checkable_in_order_rate": 1.0}]}))
+    before = results.read_text()
+    assert main(["regrade", str(results), "--out", str(tmp_path / "rg.json")]) == 0
+    row, = json.loads((tmp_path / "rg.json").read_text())["rows"]
+    assert (row["right_before"], row["right"]) == (4, 1)
+    assert {c["id"] for c in row["changed"]} == {i for i, (_, ok) in answers.items() if not ok}
+    assert all(grade(answers[c["id"]][0], "stop_token", items[c["id"]]["sequence"]).right is False
+               for c in row["changed"])
+    assert "| 4/4 | 1/4 |" in capsys.readouterr().out and results.read_text() == before
+    with pytest.raises(SystemExit, match="regrade: .*not a `bench quality` results file"):
+        main(["regrade", str(tmp_path / "rg.json")])
 
 
 def test_quality_options_are_checked_before_loading(tmp_path, capsys):

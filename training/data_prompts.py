@@ -19,6 +19,7 @@ EVAL_FILES: tuple[Path, ...] = (
     REPO_ROOT / "bench" / "data" / "eval_short.jsonl",
     REPO_ROOT / "bench" / "data" / "long_answer.jsonl",
     REPO_ROOT / "bench" / "data" / "long_checkable.jsonl",
+    REPO_ROOT / "bench" / "data" / "long_checkable_b.jsonl",
 )
 DATA_DIR = Path(__file__).resolve().parent / "data"
 DEFAULT_OUT = DATA_DIR / "prompts.jsonl"

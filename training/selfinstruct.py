@@ -37,7 +37,7 @@ FILTER_RULES = {
     "magpie_kept_if": "the sampled user turn ended with the stop token, has 3 to 150 words, and no chat markup",
     "dedup": "exact match after case-folding and collapsing whitespace (data_prompts.normalise_prompt); "
              "first occurrence kept, training prompts before Magpie samples",
-    "held_out": "bench/data/eval_short.jsonl, long_answer.jsonl and long_checkable.jsonl: exact match or near duplicate by "
+    "held_out": "bench/data/eval_short.jsonl, long_answer.jsonl, long_checkable.jsonl and long_checkable_b.jsonl: exact match or near duplicate by "
                 "content-word overlap (>= 75% of an eval prompt's content words, and > 50% of the "
                 "candidate's own), data_prompts.EvalFilter, the rule training/data/README.md documents",
 }
