@@ -192,12 +192,12 @@ def test_knob_defaults_are_data_and_the_measured_ones():
 
     assert set(KNOBS) == set(KNOB_OFF) == set(_PRESETS_FILE["defaults"])  # one place: presets.json "defaults"
     assert KNOB_DEFAULTS == _PRESETS_FILE["defaults"]
-    # chosen by measurement (bench/results/studio_defaults): frequency 0.5, no-repeat 4-grams, stop guard
+    # chosen by measurement (bench/results/studio_defaults, studio_knobs_fp): frequency 0.3, no-repeat 4-grams, guard
     assert {k: v for k, v in KNOB_DEFAULTS.items() if v != KNOB_OFF[k]} == \
-        {"frequency_penalty": 0.5, "no_repeat_ngram_size": 4, "stop_guard": True}
+        {"frequency_penalty": 0.3, "no_repeat_ngram_size": 4, "stop_guard": True}
     d = defaults(True)
     assert {k: d[k] for k in KNOBS} == KNOB_DEFAULTS
-    assert knobs_summary(d) == "Repetition knobs on: frequency penalty 0.5 · no-repeat n-gram size 4 · stop guard"
+    assert knobs_summary(d) == "Repetition knobs on: frequency penalty 0.3 · no-repeat n-gram size 4 · stop guard"
     off = {**d, **KNOB_OFF}
     assert knobs_summary(off) == ""
     assert knobs_summary({**off, "repetition_penalty": 1.3, "no_repeat_ngram_size": 3}) == \
@@ -220,7 +220,7 @@ def test_knobs_reach_the_engine_and_the_trace(client, server):
     assert len(ids) >= 8 and len(set(grams)) == len(grams), text
     from app.traces import settings_label
 
-    assert "repetition penalty 1.3 · frequency penalty 0.5 · no-repeat n-gram 3 · stop guard" in settings_label(cfg)
+    assert "repetition penalty 1.3 · frequency penalty 0.3 · no-repeat n-gram 3 · stop guard" in settings_label(cfg)
     meters = render.meters_html(Trace.loads(trace).summary, knobs="Repetition knobs on: x")
     assert 'class="fd-knobs-line" data-knobs="on">Repetition knobs on: x<' in meters
 
@@ -307,7 +307,7 @@ def test_browser_knob_controls_validate_and_say_what_is_on(page):
     _settings(pg)
     box = pg.locator("#fd-no-repeat-ngram-size input")
     assert "never lets the answer repeat" in pg.locator("#fd-no-repeat-ngram-size").inner_text()
-    assert "Repetition knobs on: frequency penalty 0.5 · no-repeat n-gram size 4 · stop guard" in \
+    assert "Repetition knobs on: frequency penalty 0.3 · no-repeat n-gram size 4 · stop guard" in \
         pg.locator("#fd-knobs").inner_text()  # the studio's measured defaults (app/presets.json)
     before = _messages(pg)
     assert before >= 2  # the capped turn of the test above
@@ -329,7 +329,7 @@ def test_browser_knob_controls_validate_and_say_what_is_on(page):
     pg.wait_for_function("(document.querySelector('#fd-meters .fd-knobs-line') || {innerText: ''})"
                          ".innerText.includes('size 3')", timeout=120_000)
     assert pg.locator("#fd-meters .fd-knobs-line").inner_text() == \
-        "Repetition knobs on: frequency penalty 0.5 · no-repeat n-gram size 3 · stop guard"
+        "Repetition knobs on: frequency penalty 0.3 · no-repeat n-gram size 3 · stop guard"
     box.fill("0")
     box.press("Enter")
     pg.wait_for_function("!document.querySelector('#fd-knobs').innerText.includes('no-repeat')")
