@@ -1,10 +1,10 @@
-"""python -m bench {conversation,throughput,cpu-shape,quality,regrade,penalties,profile,forward,kernels,roofline,gpu,memory,serve,stall,studio}: the Fast-dLLM v2 benchmarks."""
+"""python -m bench {conversation,throughput,cpu-shape,quality,regrade,compare,penalties,profile,forward,kernels,roofline,gpu,memory,serve,stall,studio}: the Fast-dLLM v2 benchmarks."""
 from __future__ import annotations
 
 import argparse
 import sys
 
-from . import (conversation, cpu_shape, forward, gpu, kernels, memory, penalties, profile, quality, regrade, roofline,
+from . import (compare, conversation, cpu_shape, forward, gpu, kernels, memory, penalties, profile, quality, regrade, roofline,
                serve, stall, studio, throughput)
 
 
@@ -16,6 +16,7 @@ def main(argv: list[str] | None = None) -> int:
     cpu_shape.add_parser(sub)
     quality.add_parser(sub)
     regrade.add_parser(sub)
+    compare.add_parser(sub)
     penalties.add_parser(sub)
     profile.add_parser(sub)
     forward.add_parser(sub)

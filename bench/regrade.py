@@ -22,16 +22,23 @@ def _set_path(recorded: str) -> Path:
     return path if path.is_file() else BENCH_DIR / "data" / path.name
 
 
+def checkable_items(data: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """The checkable set a `bench quality` run used, by id (ValueError when it recorded none)."""
+    recorded = data.get("args", {}).get("checkable_set")
+    if not recorded:
+        raise ValueError("the run recorded no checkable set")
+    return {it["id"]: it for it in load_checkable(_set_path(recorded))}
+
+
 def regrade_file(path: str | Path) -> list[dict[str, Any]]:
     """One row per (mode, threshold) of a `bench quality` results file with checkable answers (none for a run
     without a checkable set)."""
     data = json.loads(Path(path).read_text(encoding="utf-8"))
     if data.get("kind") != "quality":
         raise ValueError(f"{path}: not a `bench quality` results file")
-    recorded = data.get("args", {}).get("checkable_set")
-    if not recorded:
+    if not data.get("args", {}).get("checkable_set"):
         return []
-    items = {it["id"]: it for it in load_checkable(_set_path(recorded))}
+    items = checkable_items(data)
     rows = []
     for r in data.get("results", []):
         outs = r.get("checkable_outputs")

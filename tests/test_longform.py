@@ -256,6 +256,16 @@ def test_quality_long_only_measures_every_mode_from_its_outputs(tmp_path, capsys
     rows = json.loads((tmp_path / "rg.json").read_text())["rows"]
     assert [(row["mode"], row["right"], row["changed"]) for row in rows] == \
         [(r["mode"], r["checkable_right"], []) for r in report["results"]]
+    # bench compare on this run: the dLLM's row against the AR base's, each total the one the run recorded
+    capsys.readouterr()
+    assert main(["compare", str(out / "results.json"), str(out / "results.json"), "--a-row", "diffusion@0.9",
+                 "--b-row", "ar", "--out", str(tmp_path / "cmp.json")]) == 0
+    sets = {s["set"]: s for s in json.loads((tmp_path / "cmp.json").read_text())["sets"]}
+    ar, diff = report["results"]
+    assert sets["long"]["a"] == diff["long_complete_n"] and sets["long"]["b"] == ar["long_complete_n"]
+    assert sets["checkable"]["a"] == diff["checkable_right"] and sets["checkable"]["b"] == ar["checkable_right"]
+    assert sets["long"]["a_tokens_per_forward"] == diff["long_complete_tokens_per_forward"]
+    assert "| long | complete | 2 |" in capsys.readouterr().out
 
 
 def test_regrade_finds_answers_the_old_rule_called_right(tmp_path, capsys):
