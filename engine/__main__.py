@@ -188,6 +188,7 @@ def serve_access(a: argparse.Namespace) -> tuple[str | None, list[str]]:
 def cmd_serve(a: argparse.Namespace) -> int:
     from .engine import Engine
     from .serve import serve
+    from .serve.request import generation_defaults
 
     if not 1 <= a.max_batch <= 256:
         raise ConfigError("max_batch", f"must be an integer in [1, 256] (got {a.max_batch})")
@@ -198,12 +199,13 @@ def cmd_serve(a: argparse.Namespace) -> int:
     if a.prefix_cache_mib is not None and not 0 <= a.prefix_cache_mib <= 1 << 20:
         raise ConfigError("prefix_cache_mib", f"must be an integer in [0, {1 << 20}] (got {a.prefix_cache_mib})")
     key, origins = serve_access(a)
+    defaults = generation_defaults(a.override_generation_config)  # refused before the model loads
     engine = Engine.load(a.model, a.device, a.dtype)
     print(f"model: {engine.lm.banner()}; OpenAI API on http://{a.host}:{a.port}/v1"
-          f"{'; API key required' if key else ''}{'; CORS for ' + ', '.join(origins) if origins else ''}",
-          file=sys.stderr, flush=True)
+          f"{'; API key required' if key else ''}{'; CORS for ' + ', '.join(origins) if origins else ''}"
+          f"{'; request defaults ' + json.dumps(defaults) if defaults else ''}", file=sys.stderr, flush=True)
     serve(engine, a.host, a.port, a.max_batch, api_key=key, allowed_origins=origins, prefill_chunk=a.prefill_chunk,
-          prefix_cache_mib=a.prefix_cache_mib)
+          prefix_cache_mib=a.prefix_cache_mib, defaults=defaults)
     return 0
 
 
@@ -240,6 +242,10 @@ def parser() -> argparse.ArgumentParser:
                                                    "(default: FASTDLLM_API_KEY, else no key)")
     s.add_argument("--allowed-origins", default=None, metavar="ORIGINS",
                    help="comma-separated origins browsers may call from (CORS), or '*'; default none")
+    s.add_argument("--override-generation-config", default=None, metavar="JSON",
+                   help="decoding settings a request gets when it leaves them out (vLLM's option), e.g. the studio's "
+                        "'{\"frequency_penalty\": 0.3, \"no_repeat_ngram_size\": 4, \"stop_guard\": true}'; a "
+                        "request's own values win (default: none, the paper's rule)")
     return p
 
 

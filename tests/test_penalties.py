@@ -309,6 +309,49 @@ def test_server_accepts_the_knobs(engine, client, one_thread, chat):
     assert r.status_code == 200 and not Penalties.of(DecodeConfig.from_dict(r.json()["trace"]["header"]["config"])).active
 
 
+STUDIO = {"frequency_penalty": 0.3, "no_repeat_ngram_size": 4, "stop_guard": True}
+
+
+def test_server_defaults_fill_what_a_request_leaves_out(engine, one_thread):
+    """`serve --override-generation-config` (vLLM's option): a request without the knobs gets the server's; its own
+    values win; null means "not given"."""
+    from fastapi.testclient import TestClient
+
+    from engine.driver import Driver
+    from engine.serve import create_app
+
+    sched = Driver(engine)
+    try:
+        with TestClient(create_app(engine, sched, defaults={**STUDIO, "max_new_tokens": 6})) as c:
+            def config(**extra):
+                body = {"model": engine.lm.name, "denoise_events": True, "prompt": PROMPTS[0], **extra}
+                r = c.post("/v1/completions", json=body)
+                assert r.status_code == 200, r.text
+                return r.json()["trace"]["header"]["config"], r.json()["usage"]["completion_tokens"]
+            cfg, used = config()
+            assert {k: cfg[k] for k in STUDIO} == STUDIO and cfg["max_new_tokens"] == 6 and used <= 6
+            cfg, _ = config(frequency_penalty=0.0, stop_guard=False, max_tokens=4)  # the request's own win
+            assert (cfg["frequency_penalty"], cfg["stop_guard"], cfg["no_repeat_ngram_size"], cfg["max_new_tokens"]) == \
+                (0.0, False, 4, 4)
+            cfg, _ = config(frequency_penalty=None, stop_guard=None)  # null: not given, so the server's
+            assert {k: cfg[k] for k in STUDIO} == STUDIO
+        for bad, words in [({"frequency_penalty": 3}, "override_generation_config: frequency_penalty: must be a number"),
+                           ({"temprature": 0.5}, "override_generation_config: 'temprature' is not a decoding setting"),
+                           ({"block_size": 12}, "override_generation_config: block_size: must be a multiple"),
+                           ("[1]", "override_generation_config: must be a JSON object")]:
+            with pytest.raises(ConfigError, match=words):
+                create_app(engine, sched, defaults=bad)
+    finally:
+        sched.close()
+
+
+def test_serve_cli_refuses_bad_defaults_before_loading(capsys):
+    from engine.__main__ import main
+
+    assert main(["serve", "--override-generation-config", "{not json"]) == 2
+    assert "error: override_generation_config: must be a JSON object" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("field,value,needle", [
     ("frequency_penalty", 2.5, "[-2, 2]"), ("presence_penalty", -3, "[-2, 2]"),
     ("repetition_penalty", 0, "(0, 10]"), ("no_repeat_ngram_size", 1.5, "[0, 64]"),

@@ -39,7 +39,7 @@ from ..weights import MASK_TOKEN
 from ..driver import Driver
 from ..scheduler import MAX_BATCH, SchedulerBusy
 from .request import (FINISH, MAX_BODY_BYTES, MAX_ECHO_DIFFUSION_TOKENS, MAX_JSON_DEPTH, MAX_PROMPT_CHARS, ApiError,
-                      ApiRequest, _depth, _messages, _text, parse)
+                      ApiRequest, _depth, _messages, _text, generation_defaults, parse)
 from .response import Choice, LiveGroup, _echo_logprobs, _logprobs_json, usage
 from .surface import Metrics, Surface, log
 
@@ -49,9 +49,11 @@ STREAM_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
 def create_app(engine: Engine, scheduler: Driver, model_id: str | None = None, *, api_key: str | None = None,
-               allowed_origins: list[str] | tuple[str, ...] = ()) -> FastAPI:
+               allowed_origins: list[str] | tuple[str, ...] = (), defaults: dict[str, Any] | None = None) -> FastAPI:
     """The FastAPI app; the caller owns the scheduler (and closes it). api_key: every route but /health needs
-    `Authorization: Bearer <api_key>`; allowed_origins: browsers on these origins may call it (CORS; none by default)."""
+    `Authorization: Bearer <api_key>`; allowed_origins: browsers on these origins may call it (CORS; none by default);
+    defaults: decoding settings for what a request leaves out (request.generation_defaults)."""
+    defaults = generation_defaults(defaults)
     model_id = model_id or engine.lm.name
     created = int(time.time())
     app = FastAPI(title="Fast-dLLM v2 (OpenAI-compatible)", docs_url=None, redoc_url=None, openapi_url=None)
@@ -150,7 +152,7 @@ def create_app(engine: Engine, scheduler: Driver, model_id: str | None = None, *
         return body
 
     async def complete(request: Request, chat: bool):
-        req = parse(await _json(request), chat, engine, model_id)
+        req = parse(await _json(request), chat, engine, model_id, defaults)
         ids = req.ids or engine.encode(req.prompt)
         param = "messages" if chat else "prompt"
         mask = engine.lm.mask_token_id
@@ -321,7 +323,8 @@ def create_app(engine: Engine, scheduler: Driver, model_id: str | None = None, *
 
 def serve(engine: Engine, host: str = "127.0.0.1", port: int = 8000, max_batch: int = MAX_BATCH, *,
           api_key: str | None = None, allowed_origins: list[str] | tuple[str, ...] = (),
-          prefill_chunk: int | None = None, prefix_cache_mib: int | None = None) -> None:
+          prefill_chunk: int | None = None, prefix_cache_mib: int | None = None,
+          defaults: dict[str, Any] | None = None) -> None:
     """Run the server until interrupted (`python -m engine serve`); prefill_chunk / prefix_cache_mib None: the
     engine's runtime's (FASTDLLM_PREFILL_CHUNK / FASTDLLM_PREFIX_CACHE_MIB), else the scheduler's defaults."""
     import uvicorn
@@ -335,7 +338,8 @@ def serve(engine: Engine, host: str = "127.0.0.1", port: int = 8000, max_batch: 
     given = {"prefill_chunk": prefill_chunk, "prefix_cache_mib": prefix_cache_mib}
     sched = engine.start_scheduler(max_batch=max_batch, **{k: v for k, v in given.items() if v is not None})
     try:
-        uvicorn.run(create_app(engine, sched, api_key=api_key, allowed_origins=allowed_origins), host=host, port=port,
+        uvicorn.run(create_app(engine, sched, api_key=api_key, allowed_origins=allowed_origins, defaults=defaults),
+                    host=host, port=port,
                     log_level="info", access_log=False)  # our JSON line replaces uvicorn's access line
     finally:
         engine.close_scheduler()

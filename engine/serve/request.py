@@ -1,6 +1,7 @@
 """Requests in: limits, OpenAI-shaped errors, and parsing a body into an ApiRequest (every field validated)."""
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -12,6 +13,8 @@ from ..weights import MASK_TOKEN
 
 KNOBS = ("mode", "block_size", "sub_block_size", "threshold", "strategy", "factor", "cache", "stop_guard")
 PENALTIES = ("frequency_penalty", "presence_penalty", "repetition_penalty", "no_repeat_ngram_size")
+# What `--override-generation-config` (vLLM's name) may set: the server's defaults for requests that leave them out
+DEFAULTABLE = KNOBS + PENALTIES + ("temperature", "top_p", "max_new_tokens")
 MAX_N = 16  # choices per request (n): each is a scheduler row
 MAX_ECHO_DIFFUSION_TOKENS = 512  # echo + logprobs under diffusion: one forward per prompt token (engine/likelihood.py)
 MAX_PROMPT_CHARS = 200_000  # tokenising is cheap, not free: bound it before the context check
@@ -120,8 +123,39 @@ def _response_format(v: Any) -> None:
     raise ApiError(400, f'response_format: must be {{"type": "text"}} (got {_show(v)})', "response_format")
 
 
-def parse(body: Any, chat: bool, engine: Engine, model_id: str) -> ApiRequest:
-    """Validate a request body; ApiError names the first bad parameter."""
+def generation_defaults(spec: str | dict[str, Any] | None) -> dict[str, Any]:
+    """`--override-generation-config`: a JSON object of decoding settings (DEFAULTABLE) that a request gets when it
+    does not send them (or sends null), as vLLM's option does; a request's own values win. Validated as a request's
+    settings would be; ConfigError names the bad key."""
+    name = "override_generation_config"
+    if spec is None:
+        return {}
+    if isinstance(spec, str):
+        try:
+            spec = json.loads(spec)
+        except ValueError:
+            raise ConfigError(name, f"must be a JSON object, e.g. '{{\"frequency_penalty\": 0.3}}' (got {_show(spec)})"
+                              ) from None
+    if not isinstance(spec, dict):
+        raise ConfigError(name, f"must be a JSON object of decoding settings (got {_show(spec)})")
+    unknown = sorted(set(spec) - set(DEFAULTABLE))
+    if unknown:
+        raise ConfigError(name, f"{unknown[0]!r} is not a decoding setting; allowed: {', '.join(DEFAULTABLE)}")
+    try:
+        DecodeConfig(**spec).validate()
+    except ConfigError as e:
+        if e.field == "sub_block_size" and "sub_block_size" not in spec:  # block_size alone: say which was given
+            e = ConfigError("block_size", f"must be a multiple of sub_block_size={DecodeConfig().sub_block_size} (its "
+                                          f"default; set sub_block_size too) (got {_show(spec.get('block_size'))})")
+        raise ConfigError(name, str(e)) from None
+    except TypeError as e:  # a value of the wrong type that the dataclass itself refuses
+        raise ConfigError(name, str(e)) from None
+    return dict(spec)
+
+
+def parse(body: Any, chat: bool, engine: Engine, model_id: str, defaults: dict[str, Any] | None = None) -> ApiRequest:
+    """Validate a request body; ApiError names the first bad parameter. `defaults` (generation_defaults): the
+    server's settings for what the body leaves out."""
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
     if body.get("model") != model_id:
@@ -162,7 +196,8 @@ def parse(body: Any, chat: bool, engine: Engine, model_id: str) -> ApiRequest:
         raise ApiError(400, f"{where}: contains the mask token {MASK_TOKEN}, which only the decoder may place", where)
     # null means "not given" (OpenAI's SDKs send it): max_completion_tokens wins when both are set
     name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-    knobs = {"mode": "diffusion" if engine.can_diffuse else "ar"} | {k: body[k] for k in KNOBS if k in body}
+    knobs = {"mode": "diffusion" if engine.can_diffuse else "ar"} | (defaults or {}) | \
+        {k: body[k] for k in KNOBS if body.get(k) is not None}
     for k in ("temperature", "top_p", "seed") + PENALTIES:
         if body.get(k) is not None:
             knobs[k] = body[k]
