@@ -9,6 +9,8 @@ from pathlib import Path
 
 from .config import CACHE_MODES, MODES, STRATEGIES, ConfigError, DecodeConfig
 from .events import Token
+from .finish import judge
+from .penalties import Penalties
 from .weights import ModelSourceError
 from .prefix_cache import PREFIX_CACHE_MIB
 from .scheduler import PREFILL_CHUNK
@@ -78,6 +80,23 @@ def _logprobs(seen: dict[int, Token], n: int) -> list[dict]:
             for t in (seen[p] for p in range(n))]
 
 
+STUDIO_KNOBS = "--frequency-penalty 0.3 --no-repeat-ngram-size 4 --stop-guard"  # app/presets.json's, as flags
+
+
+def _finish(s, cfg: DecodeConfig) -> tuple[str, str]:
+    """(the footer's verdict, a hint line or ''): whether the answer ended and whether it loops, said before its
+    tokens per forward, which count a loop's easy tokens as speed (engine/finish.py, as the studio says it)."""
+    f = judge(s.text, s.stop_reason)
+    if f.complete:
+        return "complete", ""
+    verdict = (f"looping ({100 * f.repeat_share:.0f} % of its word 4-grams repeat)" if f.looping
+               else {"capped": "unfinished: hit --max-new-tokens"}.get(f.label, f"unfinished: {f.label}"))
+    knobs_off = not Penalties.of(cfg).active and not cfg.stop_guard
+    hint = (f"(the repetition knobs are off: the paper's rule; the studio decodes with {STUDIO_KNOBS})"
+            if knobs_off and cfg.mode == "diffusion" else "")
+    return verdict, hint
+
+
 def _decode(engine, ids: list[int], cfg: DecodeConfig, **kw):
     """One prompt through the engine's scheduler, the front door the studio and the server use too (so the CLI's
     answer is theirs); Ctrl-C drops the row before the next forward."""
@@ -117,6 +136,8 @@ def cmd_generate(a: argparse.Namespace) -> int:
         print(json.dumps({"text": s.text, "tokens": s.answer_tokens, "token_ids": s.token_ids, "nfe": s.nfe,
                           "tokens_per_forward": s.tokens_per_forward, "seconds": s.seconds,
                           "tokens_per_second": s.tokens_per_second, "ttft": s.ttft, "stop_reason": s.stop_reason,
+                          "finish": judge(s.text, s.stop_reason).label,
+                          "repeat_share": judge(s.text, s.stop_reason).repeat_share,
                           "mode": cfg.mode, "cache": cfg.cache, "threshold": cfg.threshold,
                           "block_size": cfg.block_size, "sub_block_size": cfg.sub_block_size,
                           **{k: getattr(cfg, k) for k in ("repetition_penalty", "frequency_penalty",
@@ -128,8 +149,11 @@ def cmd_generate(a: argparse.Namespace) -> int:
             print(s.text)
         else:
             print()
-        print(f"[{s.answer_tokens} tokens · {s.nfe} forwards · {s.tokens_per_forward:.2f} tokens/forward · "
+        verdict, hint = _finish(s, cfg)
+        print(f"[{s.answer_tokens} tokens · {verdict} · {s.nfe} forwards · {s.tokens_per_forward:.2f} tokens/forward · "
               f"{s.tokens_per_second:.1f} tokens/s · {engine.lm.banner()}]", file=sys.stderr)
+        if hint:
+            print(hint, file=sys.stderr)
     return 0
 
 
@@ -172,8 +196,11 @@ def _chat(engine, cfg: DecodeConfig, system: str | None, history: list[dict[str,
             continue
         s = res.summary
         cached = f" · {s.cached_tokens} prompt tokens from the prefix cache" if s.cached_tokens else ""
-        print(f"\n[{s.answer_tokens} tokens · {s.tokens_per_forward:.2f} tokens/forward · {s.tokens_per_second:.1f} tokens/s"
-              f" · first token {s.ttft:.2f} s{cached}]", file=sys.stderr)
+        verdict, hint = _finish(s, cfg)
+        print(f"\n[{s.answer_tokens} tokens · {verdict} · {s.tokens_per_forward:.2f} tokens/forward · "
+              f"{s.tokens_per_second:.1f} tokens/s · first token {s.ttft:.2f} s{cached}]", file=sys.stderr)
+        if hint:
+            print(hint, file=sys.stderr)
         history += [{"role": "user", "content": msg}, {"role": "assistant", "content": s.text}]
 
 

@@ -122,6 +122,34 @@ def test_cli_generate_json(tmp_path):
         assert key in out
     assert out["tokens"] <= 16 and out["tokens_per_forward"] == pytest.approx(out["tokens"] / out["nfe"])
     assert json.loads(trace.read_text())["summary"]["answer_tokens"] == out["tokens"]
+    from engine.finish import judge
+
+    assert out["finish"] == judge(out["text"], out["stop_reason"]).label  # complete | looping | capped ...
+
+
+def test_cli_footer_says_whether_the_answer_ended_before_its_speed():
+    """The CLI, like the studio, says an answer loops or hit the cap before its tokens per forward (issue 21); with
+    the knobs off under diffusion it names the studio's."""
+    from types import SimpleNamespace
+
+    from engine.__main__ import STUDIO_KNOBS, _finish
+    from engine.config import DecodeConfig
+
+    loop = "I like apples and I like pears and " * 12
+    off, studio = DecodeConfig(), DecodeConfig(frequency_penalty=0.3, no_repeat_ngram_size=4, stop_guard=True)
+    assert _finish(SimpleNamespace(text="Paris.", stop_reason="stop_token"), off) == ("complete", "")
+    verdict, hint = _finish(SimpleNamespace(text=loop, stop_reason="stop_token"), off)
+    assert verdict.startswith("looping (") and "% of its word 4-grams repeat)" in verdict and STUDIO_KNOBS in hint
+    assert _finish(SimpleNamespace(text=loop, stop_reason="stop_token"), studio)[1] == ""  # knobs on: no hint
+    assert _finish(SimpleNamespace(text=loop, stop_reason="stop_token"), DecodeConfig(mode="ar"))[1] == ""
+    assert _finish(SimpleNamespace(text="Once upon a", stop_reason="max_new_tokens"), studio) == \
+        ("unfinished: hit --max-new-tokens", "")
+    flags = STUDIO_KNOBS.split()  # the hint's flags are the CLI's and give the studio's defaults
+    from app.settings import KNOB_DEFAULTS
+    from engine.__main__ import _settings, parser
+
+    got = _settings(parser().parse_args(["generate", "--prompt", "x", *flags]))
+    assert {k: got[k] for k in KNOB_DEFAULTS} == KNOB_DEFAULTS
 
 
 @pytest.mark.parametrize("args,needle", [
