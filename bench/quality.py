@@ -153,8 +153,18 @@ def parse_decode(text: str | None) -> dict[str, Any]:
             raise SystemExit(f"--decode: {item!r} is not name=value with a DecodeConfig field (mode, threshold and "
                              "max_new_tokens have their own flags)")
         low = raw.strip().lower()
-        out[name] = True if low == "true" else False if low == "false" else int(raw) if raw.strip().lstrip("-").isdigit() \
-            else float(raw)
+        if isinstance(DecodeConfig.__dataclass_fields__[name].default, str):  # strategy, cache: the word as given
+            out[name] = raw.strip()
+            continue
+        try:
+            out[name] = True if low == "true" else False if low == "false" else int(raw) \
+                if raw.strip().lstrip("-").isdigit() else float(raw)
+        except ValueError:
+            raise SystemExit(f"--decode: {item!r}: {name} takes a number or true/false") from None
+    try:
+        DecodeConfig(**out).validate()
+    except ValueError as e:  # ConfigError names the field
+        raise SystemExit(f"--decode: {e}") from None
     return out
 
 

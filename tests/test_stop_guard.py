@@ -107,6 +107,13 @@ def test_bench_quality_decode_option_parses_settings_and_refuses_bad_ones():
     assert parse_decode("frequency_penalty=0.5,no_repeat_ngram_size=4,stop_guard=true") == \
         {"frequency_penalty": 0.5, "no_repeat_ngram_size": 4, "stop_guard": True}
     assert parse_decode(None) == {} and parse_decode("stop_guard=false") == {"stop_guard": False}
+    assert parse_decode("strategy=factor,factor=1.0,cache=dual-sparse") == \
+        {"strategy": "factor", "factor": 1.0, "cache": "dual-sparse"}  # word-valued fields stay words
     for bad in ("nonsense=1", "threshold=0.5", "stop_guard"):
         with pytest.raises(SystemExit, match="--decode"):
+            parse_decode(bad)
+    for bad, words in (("strategy=fast", "strategy: must be one of threshold, factor"),
+                       ("frequency_penalty=abc", "frequency_penalty takes a number"),
+                       ("frequency_penalty=3", "frequency_penalty: must be a number in \\[-2, 2\\]")):
+        with pytest.raises(SystemExit, match=f"--decode: .*{words}"):  # refused before any model loads
             parse_decode(bad)
