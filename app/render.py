@@ -139,11 +139,15 @@ def explain_html() -> str:
     return EXPLAIN.read_text(encoding="utf-8")
 
 
-def presets_html(presets: list[dict[str, Any]], measured: Measured | None, strategy: str, threshold: float) -> str:
-    """One line on what the current threshold is expected to do: the matching preset's effect (else the custom
-    value), with the bundled adapter's measured tokens/forward and accuracy at that threshold when known."""
-    active = next((p for p in presets if p["settings"].get("strategy", "threshold") == strategy
-                   and abs(float(p["settings"].get("threshold", -1)) - threshold) < 1e-9), None)
+def presets_html(presets: list[dict[str, Any]], measured: Measured | None, strategy: str, threshold: float,
+                 factor: float | None = None) -> str:
+    """One line on what the current rule is expected to do: the matching preset's effect (a threshold preset by its
+    threshold, a factor preset by its factor; else the custom value), with the bundled adapter's measured
+    tokens/forward and accuracy at that threshold when known."""
+    value = threshold if strategy == "threshold" else factor
+    key = "threshold" if strategy == "threshold" else "factor"
+    active = next((p for p in presets if p["settings"].get("strategy", "threshold") == strategy and value is not None
+                   and abs(float(p["settings"].get(key, -1)) - value) < 1e-9), None)
     # the note is a column of lines (CSS): a name, then what it does; never a line that starts with punctuation
     if active is not None:
         head = f'<b>{esc(active["label"])}</b><span>{esc(active["effect"])}</span>'

@@ -175,7 +175,7 @@ def build(studio: Studio, slots: int = SLOTS) -> gr.Blocks:
                                              elem_id=f"fd-preset-{p['id']}", elem_classes=["fd-preset-btn"],
                                              interactive=eng.can_diffuse) for p in PRESETS]
                     clear = gr.Button("Clear chat", size="sm", scale=0, min_width=90, elem_id="fd-clear")
-                presets_info = gr.HTML(render.presets_html(PRESETS, measured, d["strategy"], d["threshold"]),
+                presets_info = gr.HTML(render.presets_html(PRESETS, measured, d["strategy"], d["threshold"], d["factor"]),
                                        js_on_load=None, elem_id="fd-presets", visible=eng.can_diffuse)
                 knobs_info = gr.HTML(render.knobs_html(d), js_on_load=None, elem_id="fd-knobs")
                 with gr.Accordion("Decoding settings", open=False, elem_id="fd-settings"):
@@ -321,16 +321,17 @@ def build(studio: Studio, slots: int = SLOTS) -> gr.Blocks:
                      [block, sub], sub, **private)
         strategy.change(lambda s: (gr.update(visible=s == "threshold"), gr.update(visible=s == "factor")),
                         strategy, [threshold, factor], **private)
-        gr.on([threshold.change, strategy.change],
-              lambda s, t: render.presets_html(PRESETS, measured, s, float(t)),
-              [strategy, threshold], presets_info, **private)
-        for p, b in zip(PRESETS, preset_btns):  # a preset sets its threshold, and any repetition knob it lists
+        gr.on([threshold.change, strategy.change, factor.change],
+              lambda s, t, f: render.presets_html(PRESETS, measured, s, float(t), float(f)),
+              [strategy, threshold, factor], presets_info, **private)
+        for p, b in zip(PRESETS, preset_btns):  # a preset sets its rule and value, and any repetition knob it lists
             b.click(lambda p=p: (gr.update(value=p["settings"].get("strategy", "threshold")),
-                                 gr.update(value=p["settings"].get("threshold", d["threshold"])),
+                                 *(gr.update(value=p["settings"][k]) if k in p["settings"] else gr.skip()
+                                   for k in ("threshold", "factor")),
                                  gr.update(value="diffusion"),
                                  *(gr.update(value=p["settings"][k]) if k in p["settings"] else gr.skip()
                                    for k in KNOBS)),
-                    None, [strategy, threshold, mode, *knob_widgets], **private)
+                    None, [strategy, threshold, factor, mode, *knob_widgets], **private)
         def seed_check(v: Any) -> str:
             try:
                 check_seed(v)

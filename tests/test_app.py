@@ -178,10 +178,16 @@ def test_banner_and_presets_say_what_was_measured(engine):
     assert ">int4+bf16 weights</span>" in render.banner_html(lm4, True, "t", m, 0.9)
     from app.settings import PRESETS
 
-    assert [p["settings"]["threshold"] for p in PRESETS] == [1.0, 0.9, 0.7]
+    assert [(p["settings"]["strategy"], p["settings"].get("threshold", p["settings"].get("factor")))
+            for p in PRESETS] == [("threshold", 1.0), ("threshold", 0.9), ("factor", 0.5), ("threshold", 0.7)]
     fast = render.presets_html(PRESETS, m, "threshold", 0.7)
     assert "Fast" in fast and f"{m.at(0.7)[1]:.2f} tokens/forward" in fast
     assert "Custom threshold 0.85" in render.presets_html(PRESETS, m, "threshold", 0.85)
+    # the factor preset by its factor (measured in bench/results/studio_factor), whatever the threshold slider says
+    factor = render.presets_html(PRESETS, m, "factor", 0.9, 0.5)
+    assert 'data-preset="factor"' in factor and "Factor · 0.5" in factor and "tokens/forward," not in factor
+    assert "data-preset" not in render.presets_html(PRESETS, m, "factor", 0.9, 1.0)  # another factor: no preset
+    assert 'data-preset="paper"' not in render.presets_html(PRESETS, m, "factor", 0.9, 0.5)
 
 
 def test_forwards_are_worded_the_right_way_round():

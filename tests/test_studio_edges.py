@@ -371,10 +371,15 @@ def test_inputs_and_controls_have_names(page):
     pressed = lambda: {b.get_attribute("id"): b.get_attribute("aria-pressed")  # noqa: E731
                        for b in pg.locator(".fd-preset-btn").all()}
     pg.wait_for_function("document.querySelector('#fd-preset-paper').getAttribute('aria-pressed') === 'true'")
-    assert pressed() == {"fd-preset-careful": "false", "fd-preset-paper": "true", "fd-preset-fast": "false"}
+    ids = ("careful", "paper", "factor", "fast")
+    assert pressed() == {f"fd-preset-{i}": str(i == "paper").lower() for i in ids}
     pg.click("#fd-preset-fast")
     pg.wait_for_function("document.querySelector('#fd-preset-fast').getAttribute('aria-pressed') === 'true'")
-    assert pressed() == {"fd-preset-careful": "false", "fd-preset-paper": "false", "fd-preset-fast": "true"}
+    assert pressed() == {f"fd-preset-{i}": str(i == "fast").lower() for i in ids}
+    pg.click("#fd-preset-factor")  # the factor rule: the strategy and its value change, the note names it
+    pg.wait_for_function("document.querySelector('#fd-preset-factor').getAttribute('aria-pressed') === 'true'")
+    assert pressed() == {f"fd-preset-{i}": str(i == "factor").lower() for i in ids}
+    assert "Factor · 0.5" in pg.locator("#fd-presets").inner_text()
     pg.click("#fd-preset-paper")
     pg.wait_for_function("document.querySelector('#fd-preset-paper').getAttribute('aria-pressed') === 'true'")
 
