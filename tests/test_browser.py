@@ -136,14 +136,14 @@ def test_explanation_panel_banner_and_presets(page):
     _settings(pg)
     threshold = pg.locator("#fd-threshold input[type=number]")
     assert float(threshold.input_value()) == 0.9
-    assert "Paper default" in pg.locator("#fd-presets").inner_text()
+    assert "Paper · 0.9" in pg.locator("#fd-presets").inner_text()
     pg.click("#fd-preset-fast")
     pg.wait_for_function("document.querySelector('#fd-presets').innerText.includes('Fast')")
     assert float(threshold.input_value()) == 0.7
     info = pg.locator("#fd-presets").inner_text()
     assert f"{m.at(0.7)[1]:.2f} tokens/forward" in info and "fewer forwards" in info, info
     pg.click("#fd-preset-paper")
-    pg.wait_for_function("document.querySelector('#fd-presets').innerText.includes('Paper default')")
+    pg.wait_for_function("document.querySelector('#fd-presets').innerText.includes('Paper · 0.9')")
     assert float(threshold.input_value()) == 0.9
 
 
