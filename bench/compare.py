@@ -20,7 +20,7 @@ from typing import Any, Callable
 
 from engine.finish import judge
 
-from .longform import grade
+from .longform import grade, tokens_per_forward
 from .regrade import checkable_items
 
 
@@ -63,11 +63,6 @@ def pick_row(data: dict[str, Any], spec: str | None, what: str) -> dict[str, Any
     return hits[0]
 
 
-def _tpf(outs: list[dict[str, Any]]) -> float | None:
-    nfe = sum(o["nfe"] for o in outs)
-    return sum(o["answer_tokens"] for o in outs) / nfe if nfe else None
-
-
 def _complete(o: dict[str, Any]) -> bool:
     return judge(o["output"], o["stop_reason"]).complete
 
@@ -103,7 +98,8 @@ def compare(a: dict[str, Any], ra: dict[str, Any], b: dict[str, Any], rb: dict[s
         oa = [o for o in ra[field] if o["id"] in keep]
         ob = [o for o in rb[field] if o["id"] in keep]
         out.append(Paired(key, measure, len(ids), sum(va[i] for i in ids), sum(vb[i] for i in ids), only_a, only_b,
-                          sign_test(only_a, only_b), _tpf(over(oa)), _tpf(over(ob))))
+                          sign_test(only_a, only_b), tokens_per_forward(over(oa)),
+                          tokens_per_forward(over(ob))))
     return out
 
 

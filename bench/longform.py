@@ -210,6 +210,12 @@ def grade(text: str, stop_reason: str, sequence: list[Any], match: str = "list")
 
 # ---------------------------------------------------------------------------------------------- measures
 
+def tokens_per_forward(outs: list[dict[str, Any]]) -> float | None:
+    """Answer tokens / forwards over recorded answers (None without forwards)."""
+    nfe = sum(o["nfe"] for o in outs)
+    return sum(o["answer_tokens"] for o in outs) / nfe if nfe else None
+
+
 class LongScore:
     """Running totals of one (mode, threshold) over one long set."""
 
@@ -238,8 +244,6 @@ class LongScore:
         stopped = [o for o in outs if o["stop_reason"] == "stop_token"]
         looping = [o for o in outs if o["finish"] == "looping"]
         complete = [o for o in stopped if o["finish"] == "complete"]  # stopped and not looping
-        tpf = lambda os: (sum(o["answer_tokens"] for o in os) / sum(o["nfe"] for o in os)  # noqa: E731
-                          if os and sum(o["nfe"] for o in os) else None)
         reasons: dict[str, int] = {}
         for o in outs:
             reasons[o["stop_reason"]] = reasons.get(o["stop_reason"], 0) + 1
@@ -248,8 +252,8 @@ class LongScore:
             "n": n, "stop_rate": len(stopped) / n if n else 0.0, "loop_rate": len(looping) / n if n else 0.0,
             "complete_rate": len(complete) / n if n else 0.0, "mean_answer_tokens": toks / n if n else 0.0,
             "answer_tokens": toks, "nfe": nfe, "tokens_per_forward": toks / nfe if nfe else 0.0,
-            "complete_n": len(complete), "complete_tokens_per_forward": tpf(complete),
-            "looping_n": len(looping), "looping_tokens_per_forward": tpf(looping),
+            "complete_n": len(complete), "complete_tokens_per_forward": tokens_per_forward(complete),
+            "looping_n": len(looping), "looping_tokens_per_forward": tokens_per_forward(looping),
             "stop_reasons": reasons, "seconds": self.seconds}
         if self.checkable:
             right = sum(o["right"] for o in outs)

@@ -133,11 +133,11 @@ def cmd_generate(a: argparse.Namespace) -> int:
     if a.trace:
         Path(a.trace).write_text(res.trace.dumps())
     if a.json:
+        fin = judge(s.text, s.stop_reason)
         print(json.dumps({"text": s.text, "tokens": s.answer_tokens, "token_ids": s.token_ids, "nfe": s.nfe,
                           "tokens_per_forward": s.tokens_per_forward, "seconds": s.seconds,
                           "tokens_per_second": s.tokens_per_second, "ttft": s.ttft, "stop_reason": s.stop_reason,
-                          "finish": judge(s.text, s.stop_reason).label,
-                          "repeat_share": judge(s.text, s.stop_reason).repeat_share,
+                          "finish": fin.label, "repeat_share": fin.repeat_share,
                           "mode": cfg.mode, "cache": cfg.cache, "threshold": cfg.threshold,
                           "block_size": cfg.block_size, "sub_block_size": cfg.sub_block_size,
                           **{k: getattr(cfg, k) for k in ("repetition_penalty", "frequency_penalty",

@@ -335,6 +335,11 @@ def test_server_defaults_fill_what_a_request_leaves_out(engine, one_thread):
                 (0.0, False, 4, 4)
             cfg, _ = config(frequency_penalty=None, stop_guard=None)  # null: not given, so the server's
             assert {k: cfg[k] for k in STUDIO} == STUDIO
+        from engine.serve import ApiError, parse
+
+        with pytest.raises(ApiError, match=r"block_size: must be a multiple of sub_block_size=16 \(its default"):
+            parse({"model": engine.lm.name, "prompt": "hi", "block_size": 24}, False, engine, engine.lm.name,
+                  {"sub_block_size": 16})  # the sub-block size it meets is the server's default, named as such
         for bad, words in [({"frequency_penalty": 3}, "override_generation_config: frequency_penalty: must be a number"),
                            ({"temprature": 0.5}, "override_generation_config: 'temprature' is not a decoding setting"),
                            ({"block_size": 12}, "override_generation_config: block_size: must be a multiple"),

@@ -123,6 +123,14 @@ def _response_format(v: Any) -> None:
     raise ApiError(400, f'response_format: must be {{"type": "text"}} (got {_show(v)})', "response_format")
 
 
+def _blame_block_size(e: ConfigError, given: dict[str, Any], sub: int) -> ConfigError:
+    """block_size given without sub_block_size: the sub-block error is block_size's (the other was a default)."""
+    if e.field != "sub_block_size" or given.get("sub_block_size") is not None:
+        return e
+    return ConfigError("block_size", f"must be a multiple of sub_block_size={sub} (its default; send sub_block_size "
+                                     f"too to change it) (got {_show(given.get('block_size'))})")
+
+
 def generation_defaults(spec: str | dict[str, Any] | None) -> dict[str, Any]:
     """`--override-generation-config`: a JSON object of decoding settings (DEFAULTABLE) that a request gets when it
     does not send them (or sends null), as vLLM's option does; a request's own values win. Validated as a request's
@@ -144,10 +152,7 @@ def generation_defaults(spec: str | dict[str, Any] | None) -> dict[str, Any]:
     try:
         DecodeConfig(**spec).validate()
     except ConfigError as e:
-        if e.field == "sub_block_size" and "sub_block_size" not in spec:  # block_size alone: say which was given
-            e = ConfigError("block_size", f"must be a multiple of sub_block_size={DecodeConfig().sub_block_size} (its "
-                                          f"default; set sub_block_size too) (got {_show(spec.get('block_size'))})")
-        raise ConfigError(name, str(e)) from None
+        raise ConfigError(name, str(_blame_block_size(e, spec, DecodeConfig().sub_block_size))) from None
     except TypeError as e:  # a value of the wrong type that the dataclass itself refuses
         raise ConfigError(name, str(e)) from None
     return dict(spec)
@@ -210,11 +215,8 @@ def parse(body: Any, chat: bool, engine: Engine, model_id: str, defaults: dict[s
         if cfg.mode == "diffusion" and not engine.can_diffuse:
             raise ConfigError("mode", "this model has no |<MASK>| token and cannot decode by block diffusion; use 'ar'")
     except ConfigError as e:
-        if e.field == "sub_block_size" and "sub_block_size" not in body:  # the client sent block_size alone
-            sub = DecodeConfig().sub_block_size
-            raise ApiError(400, f"block_size: must be a multiple of sub_block_size={sub} (its default; send "
-                                f"sub_block_size too to change it) (got {_show(body.get('block_size'))})",
-                           "block_size") from None
+        # the client sent block_size alone: the sub-block size it meets is the server's default, or the engine's
+        e = _blame_block_size(e, body, knobs.get("sub_block_size", DecodeConfig().sub_block_size))
         param = name if e.field == "max_new_tokens" else e.field
         raise ApiError(400, str(e).replace("max_new_tokens", param, 1), param) from None
     opts = body.get("stream_options") or {}
