@@ -36,9 +36,9 @@ def fast_dllm_config(vocab_size: int, hidden: int = 64, layers: int = 2, heads: 
     }
 
 
-def build_fast_dllm_checkpoint(out: Path, seed: int = 0, mask: bool = True) -> Path:
+def build_fast_dllm_checkpoint(out: Path, seed: int = 0, mask: bool = True, **shape: int) -> Path:
     """A random tiny model in the Fast_dLLM_v2 layout: config, safetensors names, tokenizer with |<MASK>| (without it
-    when `mask` is False: a model the engine decodes by AR only)."""
+    when `mask` is False: a model the engine decodes by AR only); `shape`: fast_dllm_config's sizes (hidden, heads, ...)."""
     from transformers import AutoTokenizer
 
     out.mkdir(parents=True, exist_ok=True)
@@ -48,7 +48,7 @@ def build_fast_dllm_checkpoint(out: Path, seed: int = 0, mask: bool = True) -> P
     tok.chat_template = QWEN_CHAT_TEMPLATE
     tok.save_pretrained(str(out))
     vocab = (len(tok) + 63) // 64 * 64  # padded embedding: the mask id is one of its rows
-    cfg = fast_dllm_config(vocab)
+    cfg = fast_dllm_config(vocab, **shape)
     (out / "config.json").write_text(json.dumps(cfg, indent=1))
     g = torch.Generator().manual_seed(seed)
     h, inter, d = cfg["hidden_size"], cfg["intermediate_size"], cfg["hidden_size"] // cfg["num_attention_heads"]

@@ -82,6 +82,12 @@ inline __m512 exp_ps(__m512 x) {
   return _mm512_scalef_ps(y, n);
 }
 
+// a * c + b * s as the scalar loop was compiled (-ffp-contract=fast: one product fused into the add), so the
+// vectorised RoPE gives the same bits as before (checked against the scalar build)
+inline __m512 rope_lane(__m512 a, __m512 c, __m512 b, __m512 s) {
+  return _mm512_fmadd_ps(a, c, _mm512_mul_ps(b, s));
+}
+
 // lane i of the result = the sum of v[i]'s 16 lanes (a transpose-and-add tree: ~45 shuffles/adds for 16 sums)
 inline __m512 sum16(const __m512* v) {
   __m512 u[8], w[4];
@@ -241,13 +247,19 @@ torch::Tensor layer_step(const torch::Tensor& x, const torch::Tensor& norm1, con
   float* vc = cache_v.data_ptr<float>();
   const int64_t kb = cache_k.stride(0), kh = cache_k.stride(1), kl = cache_k.stride(2);
   const int64_t vb = cache_v.stride(0), vh = cache_v.stride(1), vl = cache_v.stride(2);
-  std::vector<float> tmp(D);
+  const int64_t half = D / 2;
   for (int64_t m = 0; m < M; ++m) {
     float* r = qp + m * W;
-    for (int64_t c = 0; c < QK; c += D) {  // RoPE: x cos + roll(x, D/2) sin (sin's first half negated)
-      for (int64_t d = 0; d < D; ++d) tmp[d] = r[c + d];
-      for (int64_t d = 0; d < D; ++d) r[c + d] = tmp[d] * cp[m * D + d] + tmp[(d + D / 2) % D] * sp[m * D + d];
-    }
+    const float* cm = cp + m * D;
+    const float* sm = sp + m * D;
+    for (int64_t c = 0; c < QK; c += D)  // RoPE: x cos + roll(x, D/2) sin (sin's first half negated), 16 lanes a time
+      for (int64_t d = 0; d < half; d += 16) {
+        const __mmask16 in = half - d >= 16 ? 0xffff : static_cast<__mmask16>((1u << (half - d)) - 1);
+        const __m512 lo = _mm512_maskz_loadu_ps(in, r + c + d), hi = _mm512_maskz_loadu_ps(in, r + c + half + d);
+        _mm512_mask_storeu_ps(r + c + d, in, rope_lane(lo, _mm512_maskz_loadu_ps(in, cm + d), hi, _mm512_maskz_loadu_ps(in, sm + d)));
+        _mm512_mask_storeu_ps(r + c + half + d, in,
+                              rope_lane(hi, _mm512_maskz_loadu_ps(in, cm + half + d), lo, _mm512_maskz_loadu_ps(in, sm + half + d)));
+      }
     const int64_t b = m / T, p = pp[m];
     TORCH_CHECK(p >= 0 && p < cache_k.size(2), "layer_step: position ", p, " outside the cache");
     for (int64_t h = 0; h < kv_heads; ++h) {
@@ -295,7 +307,9 @@ torch::Tensor layer_step(const torch::Tensor& x, const torch::Tensor& norm1, con
   // MLP half
   torch::Tensor gu = project(rms_norm(h1, norm2, eps), weights, 2, int8, wide, lora_a[2], lora_b[2], lora_slices[2]);
   const int64_t I = gu.size(1) / 2;
-  torch::Tensor act = at::silu(gu.narrow(1, 0, I)) * gu.narrow(1, I, I);
+  // silu(gate) * up with the product in place: one allocation instead of two, ATen's numbers bit for bit
+  torch::Tensor act = at::silu(gu.narrow(1, 0, I));
+  act.mul_(gu.narrow(1, I, I));
   h1 += project(act, weights, 3, int8, wide, lora_a[3], lora_b[3], lora_slices[3]);
   return h1.view({B, T, H});
 }
