@@ -142,12 +142,23 @@ AmxTiles::AmxTiles() { load_tiles(); }
 
 AmxTiles::~AmxTiles() { release_tiles(); }
 
-void amx_bf16_rows(const uint16_t* xb, int64_t M, int64_t K, uint16_t* xt) {
+// 16 rows x 16 k-pairs at a time, as one 16 x 16 dword transpose (rows past M stay as the caller zeroed them). The
+// scalar loop before wrote every k-pair to its own 64-byte line, a row at a time: at 512 rows of K = 1536 that took
+// half of the down projection's time (bench/results/layer_elementwise/, "x's rows in k-pairs").
+__attribute__((target("avx512f"))) void amx_bf16_rows(const uint16_t* xb, int64_t M, int64_t K, uint16_t* xt) {
   const uint32_t* src = reinterpret_cast<const uint32_t*>(xb);  // a k-pair = one dword
   uint32_t* dst = reinterpret_cast<uint32_t*>(xt);
-  const int64_t P = K / 2;
-  for (int64_t r = 0; r < M; ++r)
-    for (int64_t p = 0; p < P; ++p) dst[((r / 16) * P + p) * 16 + r % 16] = src[r * P + p];
+  const int64_t P = K / 2;  // a multiple of 16 (K of 32)
+  for (int64_t r0 = 0; r0 < M; r0 += 16) {
+    const int64_t rows = std::min<int64_t>(16, M - r0);
+    for (int64_t p0 = 0; p0 < P; p0 += 16) {
+      __m512 v[16];
+      for (int i = 0; i < 16; ++i)
+        v[i] = i < rows ? _mm512_castsi512_ps(_mm512_loadu_si512(src + (r0 + i) * P + p0)) : _mm512_setzero_ps();
+      transpose16(v);
+      for (int j = 0; j < 16; ++j) _mm512_storeu_si512(dst + ((r0 / 16) * P + p0 + j) * 16, _mm512_castps_si512(v[j]));
+    }
+  }
 }
 
 __attribute__((target("avx512f"))) void amx_bf16_block(const uint16_t* wb, int na, const uint16_t* xt, int64_t M,
