@@ -142,7 +142,8 @@ AmxTiles::AmxTiles() { load_tiles(); }
 
 AmxTiles::~AmxTiles() { release_tiles(); }
 
-// 16 rows x 16 k-pairs at a time, as one 16 x 16 dword transpose (rows past M stay as the caller zeroed them). The
+// 16 rows x 16 k-pairs at a time, as one 16 x 16 dword transpose (rows past M written as zeros: the caller need
+// not clear xt). The
 // scalar loop before wrote every k-pair to its own 64-byte line, a row at a time: at 512 rows of K = 1536 that took
 // half of the down projection's time (bench/results/layer_elementwise/, "x's rows in k-pairs").
 __attribute__((target("avx512f"))) void amx_bf16_rows(const uint16_t* xb, int64_t M, int64_t K, uint16_t* xt) {

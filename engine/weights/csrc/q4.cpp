@@ -310,8 +310,8 @@ __attribute__((target("avx512bf16"))) torch::Tensor mm_bf16(torch::Tensor x, tor
   const at::Half* sp = sc.data_ptr<at::Half>();
   float* yp = y.data_ptr<float>();
   if (amx_bf16_on()) {  // amx.cpp: the same bf16 weights and rows, fp32 sums in tiles; every row count
-    std::vector<uint16_t> xt((M + 15) / 16 * 16 * K);  // zeroed: the padding rows of the last tile
-    amx_bf16_rows(xbp, M, K, xt.data());
+    std::unique_ptr<uint16_t[]> xt(new uint16_t[(M + 15) / 16 * 16 * K]);  // every element written, padding rows zero
+    amx_bf16_rows(xbp, M, K, xt.get());
     at::parallel_for(0, (N + 31) / 32, kGrain / 32, [&](int64_t b0, int64_t b1) {
       std::vector<uint16_t> wb(32 * K, 0);
       AmxTiles tiles;
@@ -323,7 +323,7 @@ __attribute__((target("avx512bf16"))) torch::Tensor mm_bf16(torch::Tensor x, tor
         }
         const uint16_t keep[2] = {static_cast<uint16_t>((1u << std::min<int64_t>(16, valid)) - 1),
                                   static_cast<uint16_t>((1u << std::max<int64_t>(0, valid - 16)) - 1)};
-        amx_bf16_block(wb.data(), valid > 16 ? 2 : 1, xt.data(), M, K, yp + n0, N, keep);
+        amx_bf16_block(wb.data(), valid > 16 ? 2 : 1, xt.get(), M, K, yp + n0, N, keep);
       }
     });
     return y;

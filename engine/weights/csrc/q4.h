@@ -50,7 +50,7 @@ struct AmxTiles {       // the tile configuration, loaded in this thread for thi
   AmxTiles(const AmxTiles&) = delete;
   AmxTiles& operator=(const AmxTiles&) = delete;
 };
-// x's bf16 rows xb [M, K] -> xt [ceil(M / 16)][K / 2][16][2], zeroed by the caller (rows past M stay zero)
+// x's bf16 rows xb [M, K] -> xt [ceil(M / 16)][K / 2][16][2], every element written (rows past M as zeros)
 void amx_bf16_rows(const uint16_t* xb, int64_t M, int64_t K, uint16_t* xt);
 // y[M, na * 16 outputs] (row stride ldy; keep[a] masks block a's outputs past N) from the bf16 weights of na (1 or 2)
 // 16-output blocks, wb [na * 16][K]
